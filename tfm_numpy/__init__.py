@@ -1,0 +1,13 @@
+"""tfm_numpy: the Transformer in pure NumPy, every layer with a hand-written backward. Never imports torch."""
+
+from .attention import *  # noqa: F403
+from .functional import *  # noqa: F403
+from .gradcheck import *  # noqa: F403
+from .layers import *  # noqa: F403
+from .loss import *  # noqa: F403
+from .module import Module as Module
+from .module import ModuleList as ModuleList
+from .module import Parameter as Parameter
+from .positional import *  # noqa: F403
+
+__version__ = "0.1.0"

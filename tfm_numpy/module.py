@@ -1,0 +1,220 @@
+"""The NumPy module contract: parameters with gradients, submodules, state dicts.
+
+A `Module` caches in `forward` what `backward` needs; `backward(grad_out)` returns the
+gradient with respect to the inputs and *adds* parameter gradients into `Parameter.grad`.
+Parameter names and their order follow `torch.nn.Module`, so the torch twin's
+`named_parameters()` / `state_dict()` keys are identical.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+
+FLOAT_DTYPES = (np.float32, np.float64)
+
+
+class Parameter:
+    """An array and the gradient accumulated into it (same shape, same dtype)."""
+
+    __slots__ = ("data", "grad")
+
+    def __init__(self, data: np.ndarray):
+        self.data = np.asarray(data)
+        self.grad = np.zeros_like(self.data)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.data.shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.data.dtype
+
+    def __repr__(self) -> str:
+        return f"Parameter(shape={self.data.shape}, dtype={self.data.dtype})"
+
+
+def as_rng(rng: np.random.Generator | int | None) -> np.random.Generator:
+    """A `numpy.random.Generator` from a generator, a seed, or None (seed 0: never hidden global state)."""
+    if isinstance(rng, np.random.Generator):
+        return rng
+    if rng is None or isinstance(rng, (int, np.integer)):
+        return np.random.default_rng(0 if rng is None else int(rng))
+    raise TypeError(f"rng: expected a numpy.random.Generator, an int seed or None, got {type(rng).__name__}")
+
+
+def check_dtype(dtype) -> np.dtype:
+    dt = np.dtype(dtype)
+    if dt.type not in FLOAT_DTYPES:
+        raise TypeError(f"dtype: expected float32 or float64, got {dt}")
+    return dt
+
+
+class Module:
+    """Base class of every NumPy layer: registers parameters and submodules on assignment."""
+
+    def __init__(self) -> None:
+        object.__setattr__(self, "_parameters", {})
+        object.__setattr__(self, "_modules", {})
+        object.__setattr__(self, "training", True)
+        object.__setattr__(self, "_cache", None)
+
+    def __setattr__(self, name: str, value) -> None:
+        if "_parameters" not in self.__dict__:
+            raise RuntimeError(f"{type(self).__name__}: call Module.__init__() before assigning attributes")
+        self._parameters.pop(name, None)
+        self._modules.pop(name, None)
+        if isinstance(value, Parameter):
+            self._parameters[name] = value
+        elif isinstance(value, Module):
+            self._modules[name] = value
+        object.__setattr__(self, name, value)
+
+    # -- forward / backward -------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        raise NotImplementedError
+
+    def backward(self, grad_out):
+        raise NotImplementedError
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def _saved(self):
+        """What `forward` cached; a clear error when `backward` comes first."""
+        if self._cache is None:
+            raise RuntimeError(f"{type(self).__name__}.backward() called before forward()")
+        return self._cache
+
+    # -- traversal ----------------------------------------------------------------------
+    def named_modules(self, prefix: str = "") -> Iterator[tuple[str, Module]]:
+        yield prefix, self
+        for name, module in self._modules.items():
+            yield from module.named_modules(f"{prefix}.{name}" if prefix else name)
+
+    def _named_parameters_all(self, prefix: str = "") -> Iterator[tuple[str, Parameter]]:
+        # Torch order: a module's own parameters first, then each submodule's, depth first.
+        for name, p in self._parameters.items():
+            yield (f"{prefix}.{name}" if prefix else name), p
+        for name, module in self._modules.items():
+            yield from module._named_parameters_all(f"{prefix}.{name}" if prefix else name)
+
+    def named_parameters(self) -> Iterator[tuple[str, Parameter]]:
+        """Unique parameters in torch order: a tied array is listed once, under its first name."""
+        seen: set[int] = set()
+        for name, p in self._named_parameters_all():
+            if id(p) not in seen:
+                seen.add(id(p))
+                yield name, p
+
+    def parameters(self) -> list[Parameter]:
+        return [p for _, p in self.named_parameters()]
+
+    def num_parameters(self) -> int:
+        return int(sum(p.data.size for p in self.parameters()))
+
+    def grads(self) -> dict[str, np.ndarray]:
+        """Gradients keyed like the torch twin's `named_parameters()`."""
+        return {name: p.grad for name, p in self.named_parameters()}
+
+    def zero_grad(self) -> None:
+        for p in self.parameters():
+            p.grad[...] = 0
+
+    def train(self, mode: bool = True) -> Module:
+        for _, m in self.named_modules():
+            object.__setattr__(m, "training", bool(mode))
+        return self
+
+    def eval(self) -> Module:
+        return self.train(False)
+
+    # -- state --------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Copies of every parameter, tied ones under each of their names (as torch does)."""
+        return {name: p.data.copy() for name, p in self._named_parameters_all()}
+
+    def load_state_dict(self, state: dict, strict: bool = True) -> None:
+        """Copy arrays (or anything `np.asarray` takes, e.g. CPU tensors) into the parameters in place."""
+        own = dict(self._named_parameters_all())
+        missing = sorted(set(own) - set(state))
+        unexpected = sorted(set(state) - set(own))
+        if strict and (missing or unexpected):
+            raise KeyError(f"load_state_dict: missing keys {missing}, unexpected keys {unexpected}")
+        for name, p in own.items():
+            if name not in state:
+                continue
+            value = np.asarray(state[name])
+            if value.shape != p.data.shape:
+                raise ValueError(f"load_state_dict: '{name}' expected shape {p.data.shape}, got {value.shape}")
+            p.data[...] = value.astype(p.data.dtype, copy=False)
+
+    def astype(self, dtype) -> Module:
+        """Convert every parameter (and its gradient) to float32 or float64; ties are kept."""
+        dt = check_dtype(dtype)
+        for p in self.parameters():
+            p.data = p.data.astype(dt)
+            p.grad = p.grad.astype(dt)
+        for _, m in self.named_modules():
+            object.__setattr__(m, "_cache", None)
+            if hasattr(m, "dtype"):
+                object.__setattr__(m, "dtype", dt)
+        return self
+
+    def double(self) -> Module:
+        return self.astype(np.float64)
+
+    def float(self) -> Module:
+        return self.astype(np.float32)
+
+    @property
+    def param_dtype(self) -> np.dtype:
+        params = self.parameters()
+        return params[0].data.dtype if params else np.dtype(np.float32)
+
+    def extra_repr(self) -> str:
+        return ""
+
+    def __repr__(self) -> str:
+        lines = [f"{type(self).__name__}({self.extra_repr()}"]
+        for name, m in self._modules.items():
+            lines.append(f"  ({name}): " + repr(m).replace("\n", "\n  "))
+        return lines[0] + ")" if len(lines) == 1 else "\n".join(lines) + "\n)"
+
+
+class ModuleList(Module):
+    """A list of modules registered as '0', '1', ... (torch's `nn.ModuleList` naming)."""
+
+    def __init__(self, modules=()) -> None:
+        super().__init__()
+        for m in modules:
+            self.append(m)
+
+    def append(self, module: Module) -> None:
+        setattr(self, str(len(self._modules)), module)
+
+    def __getitem__(self, i: int) -> Module:
+        return list(self._modules.values())[i]
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __iter__(self):
+        return iter(self._modules.values())
+
+
+def check_input(name: str, x, ndim_min: int = 1, last_dim: int | None = None, dtype=None) -> np.ndarray:
+    """Validate a floating input at a public boundary; the message names the layer and what was expected."""
+    if not isinstance(x, np.ndarray):
+        raise TypeError(f"{name}: expected a numpy.ndarray, got {type(x).__name__}")
+    if x.dtype.type not in FLOAT_DTYPES:
+        raise TypeError(f"{name}: expected a float32 or float64 array, got dtype {x.dtype}")
+    if dtype is not None and x.dtype != dtype:
+        raise TypeError(f"{name}: expected dtype {np.dtype(dtype)} (the parameters' dtype), got {x.dtype}")
+    if x.ndim < ndim_min:
+        raise ValueError(f"{name}: expected at least {ndim_min} dimension(s), got shape {x.shape}")
+    if last_dim is not None and x.shape[-1] != last_dim:
+        raise ValueError(f"{name}: expected last dimension {last_dim}, got shape {x.shape}")
+    return x
