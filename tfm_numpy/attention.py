@@ -1,3 +1,248 @@
-"""Placeholder: filled by the issue that builds this module."""
+"""Attention, NumPy track: scaled dot-product attention, masks and multi-head attention, forward and backward.
 
-__all__: list[str] = []
+Shapes: `B` batch, `H` heads, `Tq` queries, `Tk` keys (= values), `dk` the query/key size per head,
+`dv` the value size per head. Any leading dimensions may stand in for `(B, H)`.
+
+Masks are boolean and `True` means "may attend". A padding mask has shape `(B, 1, 1, Tk)`, a causal
+mask `(1, 1, T, T)`; both broadcast against the scores `(B, H, Tq, Tk)`. (`torch.nn.MultiheadAttention`
+uses the opposite meaning, True = "may NOT attend"; convert at that boundary with `~mask`.)
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .layers import Dropout, Linear
+from .module import FLOAT_DTYPES, Module, as_rng, check_dtype, check_input
+
+__all__ = [
+    "attention_weights",
+    "attention_weights_backward",
+    "scaled_dot_product_attention",
+    "scaled_dot_product_attention_backward",
+    "padding_mask",
+    "causal_mask",
+    "decoder_mask",
+    "MultiHeadAttention",
+]
+
+
+# -- scaled dot-product attention ----------------------------------------------------------------------------
+
+
+def _check_qkv(q, k, v=None) -> None:
+    """Validate the public inputs: float arrays of one dtype, q/k sizes equal, keys and values paired."""
+    name = "scaled_dot_product_attention"
+    for arg, x in (("q", q), ("k", k), ("v", v)):
+        if x is None:
+            continue
+        if not isinstance(x, np.ndarray):
+            raise TypeError(f"{name}: {arg} must be a numpy.ndarray, got {type(x).__name__}")
+        if x.dtype.type not in FLOAT_DTYPES:
+            raise TypeError(f"{name}: {arg} must be float32 or float64, got dtype {x.dtype}")
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name}: q and {arg} must share a dtype, got {q.dtype} and {x.dtype}")
+        if x.ndim < 2:
+            raise ValueError(f"{name}: {arg} must have at least 2 dimensions (T, d), got shape {x.shape}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"{name}: q and k must have the same last dimension dk, got q {q.shape} and k {k.shape}")
+    if q.shape[:-2] != k.shape[:-2]:
+        raise ValueError(f"{name}: q and k must have the same leading dimensions, got q {q.shape} and k {k.shape}")
+    if v is not None and v.shape[:-1] != k.shape[:-1]:
+        raise ValueError(f"{name}: k and v must have the same shape but the last dim, got k {k.shape} and v {v.shape}")
+
+
+def _check_mask(mask, scores_shape: tuple[int, ...]) -> None:
+    """A boolean array that broadcasts to the scores' shape (..., Tq, Tk) without growing it."""
+    if not isinstance(mask, np.ndarray) or mask.dtype != np.bool_:
+        got = f"dtype {mask.dtype}" if isinstance(mask, np.ndarray) else type(mask).__name__
+        raise TypeError(f"mask: expected a boolean numpy array (True = may attend), got {got}; use mask.astype(bool)")
+    try:
+        ok = np.broadcast_shapes(mask.shape, scores_shape) == scores_shape
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"mask: shape {mask.shape} does not broadcast to the attention scores' shape {scores_shape}")
+
+
+def attention_weights(q: np.ndarray, k: np.ndarray, mask: np.ndarray | None = None, *, fill: float | None = None):
+    """softmax(q k^T / sqrt(dk)) over the keys, with masked keys left out.  q (..., Tq, dk), k (..., Tk, dk).
+
+    Returns the weights P (..., Tq, Tk); each row sums to 1 over the keys it may attend to.
+
+    A query row with *nothing* to attend to (every key masked, e.g. a padding query under a left-padded
+    causal mask) gets all-zero weights, hence a zero output and zero gradients, never NaN. That is our
+    choice: such a row carries no information, so it should pass none on.
+
+    `fill` is for the book's experiment only: replace masked scores by that number (-1e9, -1e4, -inf) and
+    take a plain softmax, as most code does. A fully masked row then becomes uniform over *all* keys
+    (finite fills: it attends to the padding) or NaN (-inf: exp(-inf - -inf)); we silence NumPy's warning
+    on purpose there, the NaN is the lesson. Rows with at least one allowed key agree with the default.
+    """
+    _check_qkv(q, k)
+    scale = 1.0 / math.sqrt(q.shape[-1])  # a python float: keeps float32 float32
+    scores = (q @ np.swapaxes(k, -1, -2)) * scale  # (..., Tq, dk) @ (..., dk, Tk) -> (..., Tq, Tk)
+    if mask is not None:
+        _check_mask(mask, scores.shape)
+    if fill is not None:
+        return _softmax_filled(scores, mask, fill)
+    if mask is not None:
+        scores = np.where(mask, scores, -np.inf)  # exp(-inf) = 0: a masked key gets exactly zero weight
+    row_max = scores.max(axis=-1, keepdims=True)  # (..., Tq, 1), subtracted for stability
+    row_max[~np.isfinite(row_max)] = 0  # an all-masked row has max -inf; any finite shift will do
+    e = np.exp(scores - row_max)
+    denom = e.sum(axis=-1, keepdims=True)  # >= 1 for a row with an allowed key (its max gives exp(0)), else 0
+    return e / np.where(denom > 0, denom, 1)  # all-masked row: 0 / 1 = 0
+
+
+def _softmax_filled(scores: np.ndarray, mask: np.ndarray | None, fill: float) -> np.ndarray:
+    """The common recipe: masked scores := fill, then a plain softmax (for showing what the fill does)."""
+    if mask is not None:
+        scores = np.where(mask, scores, np.asarray(fill, dtype=scores.dtype))
+    with np.errstate(invalid="ignore"):  # -inf - -inf = NaN in an all-masked row: deliberately shown, not hidden
+        e = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        return e / e.sum(axis=-1, keepdims=True)
+
+
+def attention_weights_backward(grad_weights, q, k, weights, mask=None):
+    """Backward of `attention_weights`: returns (dq, dk) from dL/dP (..., Tq, Tk).
+
+    Softmax backward row by row, never a Jacobian: dS = P * (dP - rowsum(dP * P)). Masked keys and
+    all-masked rows have P = 0, so their dS is already 0. `mask` is needed only after a `fill` forward,
+    where masked scores were constants (their dS must be 0 even where P is not).
+    """
+    ds = weights * (grad_weights - (grad_weights * weights).sum(axis=-1, keepdims=True))  # (..., Tq, Tk)
+    if mask is not None:
+        ds = np.where(mask, ds, 0)
+    ds *= 1.0 / math.sqrt(q.shape[-1])  # through S = q k^T / sqrt(dk)
+    dq = ds @ k  # (..., Tq, Tk) @ (..., Tk, dk) -> (..., Tq, dk)
+    dk = np.swapaxes(ds, -1, -2) @ q  # (..., Tk, Tq) @ (..., Tq, dk) -> (..., Tk, dk)
+    return dq, dk
+
+
+def scaled_dot_product_attention(q, k, v, mask=None, *, fill=None):
+    """Attention(Q, K, V) = softmax(Q K^T / sqrt(dk)) V.  q (..., Tq, dk), k (..., Tk, dk), v (..., Tk, dv).
+
+    Returns (output (..., Tq, dv), weights (..., Tq, Tk)). `mask` is boolean, True = may attend, and
+    broadcasts to (..., Tq, Tk), e.g. (B, 1, 1, Tk) or (1, 1, Tq, Tk). A query row with nothing to attend
+    to gives a zero output row and zero gradients (see `attention_weights`, also for `fill`).
+    """
+    _check_qkv(q, k, v)
+    weights = attention_weights(q, k, mask, fill=fill)  # (..., Tq, Tk)
+    return weights @ v, weights  # (..., Tq, dv)
+
+
+def scaled_dot_product_attention_backward(grad_out, q, k, v, weights, mask=None):
+    """Backward of `scaled_dot_product_attention`: returns (dq, dk, dv) from dL/doutput (..., Tq, dv).
+
+    Needs the forward's inputs and its weights; pass the mask only after a `fill` forward.
+    """
+    dv = np.swapaxes(weights, -1, -2) @ grad_out  # (..., Tk, Tq) @ (..., Tq, dv) -> (..., Tk, dv)
+    d_weights = grad_out @ np.swapaxes(v, -1, -2)  # (..., Tq, dv) @ (..., dv, Tk) -> (..., Tq, Tk)
+    dq, dk = attention_weights_backward(d_weights, q, k, weights, mask)
+    return dq, dk, dv
+
+
+# -- masks ---------------------------------------------------------------------------------------------------
+
+
+def padding_mask(tokens: np.ndarray, pad_id: int) -> np.ndarray:
+    """(B, T) integer tokens -> (B, 1, 1, T) bool, True where the token is real (not `pad_id`).
+
+    It masks keys (the last axis), so it broadcasts over heads and query positions.
+    """
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
+        raise ValueError(f"padding_mask: tokens must be a (B, T) integer array, got shape {tokens.shape}, {tokens.dtype}")
+    return (tokens != pad_id)[:, None, None, :]
+
+
+def causal_mask(T: int) -> np.ndarray:
+    """(1, 1, T, T) bool, lower triangular: query i may attend to keys 0..i, never to the future."""
+    if T < 1:
+        raise ValueError(f"causal_mask: T must be positive, got {T}")
+    return np.tril(np.ones((T, T), dtype=bool))[None, None]
+
+
+def decoder_mask(tgt_tokens: np.ndarray, pad_id: int) -> np.ndarray:
+    """The decoder's self-attention mask: causal AND not padding. (B, T) tokens -> (B, 1, T, T) bool."""
+    return padding_mask(tgt_tokens, pad_id) & causal_mask(np.shape(tgt_tokens)[1])
+
+
+# -- multi-head attention ------------------------------------------------------------------------------------
+
+
+class MultiHeadAttention(Module):
+    """Multi-head attention: project, split into heads, attend in each head, merge, project back.
+
+    forward(query (B, Tq, d), key (B, Tk, d), value (B, Tk, d), mask) -> (B, Tq, d). The heads are a batch
+    dimension: (B, T, d) -> (B, T, H, dk) -> (B, H, T, dk). After a forward, `attn_weights` holds the
+    softmax weights (B, H, Tq, Tk) (before dropout; torch.nn.MultiheadAttention returns them after).
+
+    backward(grad_out) returns (d_query, d_key, d_value). When one tensor fed several inputs, add its
+    gradients: self-attention `dx = sum(mha.backward(g))`, cross-attention `d_memory = d_key + d_value`.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0, bias: bool = True, *, rng=None, dtype=np.float32):
+        super().__init__()
+        if n_heads < 1 or d_model % n_heads != 0:
+            raise ValueError(f"MultiHeadAttention: d_model={d_model} must be divisible by n_heads={n_heads}")
+        self.d_model, self.n_heads, self.d_head = d_model, n_heads, d_model // n_heads
+        dt, g = check_dtype(dtype), as_rng(rng)
+        self.q_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
+        self.k_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
+        self.v_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
+        self.out_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
+        self.dropout = Dropout(dropout, rng=g)  # on the attention weights, in training only
+        self.attn_weights: np.ndarray | None = None
+
+    def _split(self, x: np.ndarray) -> np.ndarray:
+        """(B, T, d) -> (B, H, T, dk). The transpose matters: a bare reshape to (B, H, T, dk) mixes positions."""
+        B, T, _ = x.shape
+        return x.reshape(B, T, self.n_heads, self.d_head).transpose(0, 2, 1, 3)
+
+    def _merge(self, x: np.ndarray) -> np.ndarray:
+        """(B, H, T, dk) -> (B, T, d): the inverse of `_split`."""
+        B, _, T, _ = x.shape
+        return x.transpose(0, 2, 1, 3).reshape(B, T, self.d_model)
+
+    def _check(self, query, key, value) -> None:
+        dt = self.q_proj.weight.dtype
+        for arg, x in (("query", query), ("key", key), ("value", value)):
+            check_input(f"MultiHeadAttention: {arg}", x, last_dim=self.d_model, dtype=dt)
+            if x.ndim != 3:
+                raise ValueError(f"MultiHeadAttention: {arg} must be (B, T, d_model), got shape {x.shape}")
+        if not query.shape[0] == key.shape[0] == value.shape[0]:
+            raise ValueError(
+                f"MultiHeadAttention: batch sizes differ: query {query.shape}, key {key.shape}, value {value.shape}"
+            )
+        if key.shape[1] != value.shape[1]:
+            raise ValueError(f"MultiHeadAttention: key and value lengths differ: key {key.shape}, value {value.shape}")
+
+    def forward(self, query: np.ndarray, key: np.ndarray, value: np.ndarray, mask: np.ndarray | None = None):
+        self._check(query, key, value)
+        q = self._split(self.q_proj(query))  # (B, H, Tq, dk)
+        k = self._split(self.k_proj(key))  # (B, H, Tk, dk)
+        v = self._split(self.v_proj(value))  # (B, H, Tk, dk)
+        p = attention_weights(q, k, mask)  # (B, H, Tq, Tk)
+        p_drop = self.dropout(p)  # identity in eval or with p = 0
+        ctx = p_drop @ v  # (B, H, Tq, dk)
+        self.attn_weights = p
+        self._cache = (q, k, v, p, p_drop)
+        return self.out_proj(self._merge(ctx))  # (B, Tq, d)
+
+    def backward(self, grad_out: np.ndarray):
+        q, k, v, p, p_drop = self._saved()
+        d_ctx = self._split(self.out_proj.backward(grad_out))  # (B, H, Tq, dk)
+        dv = np.swapaxes(p_drop, -1, -2) @ d_ctx  # (B, H, Tk, dk)
+        dp = self.dropout.backward(d_ctx @ np.swapaxes(v, -1, -2))  # (B, H, Tq, Tk), through the dropout mask
+        dq, dk = attention_weights_backward(dp, q, k, p)  # (B, H, Tq, dk), (B, H, Tk, dk)
+        d_query = self.q_proj.backward(self._merge(dq))  # (B, Tq, d)
+        d_key = self.k_proj.backward(self._merge(dk))  # (B, Tk, d)
+        d_value = self.v_proj.backward(self._merge(dv))  # (B, Tk, d)
+        return d_query, d_key, d_value
+
+    def extra_repr(self) -> str:
+        return f"d_model={self.d_model}, n_heads={self.n_heads}"

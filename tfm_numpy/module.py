@@ -143,13 +143,12 @@ class Module:
         unexpected = sorted(set(state) - set(own))
         if strict and (missing or unexpected):
             raise KeyError(f"load_state_dict: missing keys {missing}, unexpected keys {unexpected}")
-        for name, p in own.items():
-            if name not in state:
-                continue
-            value = np.asarray(state[name])
-            if value.shape != p.data.shape:
-                raise ValueError(f"load_state_dict: '{name}' expected shape {p.data.shape}, got {value.shape}")
-            p.data[...] = value.astype(p.data.dtype, copy=False)
+        values = {name: np.asarray(state[name]) for name in own if name in state}
+        for name, value in values.items():  # check every shape before copying anything: all or nothing
+            if value.shape != own[name].data.shape:
+                raise ValueError(f"load_state_dict: '{name}' expected shape {own[name].data.shape}, got {value.shape}")
+        for name, value in values.items():
+            own[name].data[...] = value.astype(own[name].data.dtype, copy=False)
 
     def astype(self, dtype) -> Module:
         """Convert every parameter (and its gradient) to float32 or float64; ties are kept."""
@@ -217,4 +216,33 @@ def check_input(name: str, x, ndim_min: int = 1, last_dim: int | None = None, dt
         raise ValueError(f"{name}: expected at least {ndim_min} dimension(s), got shape {x.shape}")
     if last_dim is not None and x.shape[-1] != last_dim:
         raise ValueError(f"{name}: expected last dimension {last_dim}, got shape {x.shape}")
+    return x
+
+
+def check_grad(name: str, grad_out, shape: tuple[int, ...], dtype) -> np.ndarray:
+    """Validate the gradient handed to `backward`: an array shaped and typed like the forward's output."""
+    if not isinstance(grad_out, np.ndarray):
+        raise TypeError(f"{name}.backward: grad_out expected a numpy.ndarray, got {type(grad_out).__name__}")
+    if grad_out.shape != tuple(shape):
+        raise ValueError(f"{name}.backward: grad_out expected shape {tuple(shape)} (the output's), got {grad_out.shape}")
+    if grad_out.dtype != dtype:
+        raise TypeError(f"{name}.backward: grad_out expected dtype {np.dtype(dtype)} (the output's), got {grad_out.dtype}")
+    return grad_out
+
+
+def check_indices(name: str, x, high: int, ignore: int | None = None) -> np.ndarray:
+    """Validate integer indices (token ids, class targets): an integer array with values in [0, high).
+
+    `ignore`, if given, is one more allowed value (a loss's `ignore_index`).
+    """
+    if not isinstance(x, np.ndarray):
+        raise TypeError(f"{name}: expected a numpy.ndarray of integers, got {type(x).__name__}")
+    if x.dtype == np.bool_ or not np.issubdtype(x.dtype, np.integer):
+        raise TypeError(f"{name}: expected an integer array, got dtype {x.dtype}")
+    bad = (x < 0) | (x >= high)
+    if ignore is not None:
+        bad &= x != ignore
+    if bad.any():
+        allowed = f"[0, {high})" + (f" or {ignore}" if ignore is not None else "")
+        raise ValueError(f"{name}: values must be in {allowed}, got {x[bad].flat[0]} (and {int(bad.sum()) - 1} more)")
     return x

@@ -1,3 +1,187 @@
-"""Placeholder: filled by the issue that builds this module."""
+"""Attention, PyTorch track: the same functions, class, arguments and state_dict keys as tfm_numpy.attention.
 
-__all__: list[str] = []
+Autograd does the backward. Masks are boolean, True = "may attend" (the opposite of
+`torch.nn.MultiheadAttention`'s `attn_mask` / `key_padding_mask`; the same as the boolean `attn_mask`
+of `torch.nn.functional.scaled_dot_product_attention`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .layers import Dropout, Linear
+from .module import as_generator, check_dtype, check_input
+
+__all__ = [
+    "attention_weights",
+    "scaled_dot_product_attention",
+    "padding_mask",
+    "causal_mask",
+    "decoder_mask",
+    "MultiHeadAttention",
+]
+
+
+# -- scaled dot-product attention ----------------------------------------------------------------------------
+
+
+def _check_qkv(q, k, v=None) -> None:
+    """Validate the public inputs: float tensors of one dtype, q/k sizes equal, keys and values paired."""
+    name = "scaled_dot_product_attention"
+    for arg, x in (("q", q), ("k", k), ("v", v)):
+        if x is None:
+            continue
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name}: {arg} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dtype not in (torch.float32, torch.float64):
+            raise TypeError(f"{name}: {arg} must be float32 or float64, got dtype {x.dtype}")
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name}: q and {arg} must share a dtype, got {q.dtype} and {x.dtype}")
+        if x.dim() < 2:
+            raise ValueError(f"{name}: {arg} must have at least 2 dimensions (T, d), got shape {tuple(x.shape)}")
+    qs, ks = tuple(q.shape), tuple(k.shape)
+    if qs[-1] != ks[-1]:
+        raise ValueError(f"{name}: q and k must have the same last dimension dk, got q {qs} and k {ks}")
+    if qs[:-2] != ks[:-2]:
+        raise ValueError(f"{name}: q and k must have the same leading dimensions, got q {qs} and k {ks}")
+    if v is not None and tuple(v.shape[:-1]) != ks[:-1]:
+        raise ValueError(f"{name}: k and v must have the same shape but the last dim, got k {ks} and v {tuple(v.shape)}")
+
+
+def _check_mask(mask, scores_shape: tuple[int, ...]) -> None:
+    """A boolean tensor that broadcasts to the scores' shape (..., Tq, Tk) without growing it."""
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        got = f"dtype {mask.dtype}" if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise TypeError(f"mask: expected a boolean torch.Tensor (True = may attend), got {got}; use mask.bool()")
+    try:
+        ok = tuple(torch.broadcast_shapes(mask.shape, scores_shape)) == scores_shape
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"mask: shape {tuple(mask.shape)} does not broadcast to the attention scores' shape {scores_shape}"
+        )
+
+
+def attention_weights(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None = None, *, fill=None):
+    """softmax(q k^T / sqrt(dk)) over the keys, masked keys left out.  q (..., Tq, dk), k (..., Tk, dk).
+
+    Returns P (..., Tq, Tk). A query row with nothing to attend to gets all-zero weights (a zero output,
+    zero gradients, never NaN), as in tfm_numpy. `fill` (-1e9, -1e4, float('-inf')) instead replaces the
+    masked scores and takes a plain softmax, to show what that common recipe does to such a row.
+    """
+    _check_qkv(q, k)
+    scores = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))  # (..., Tq, Tk)
+    if mask is not None:
+        _check_mask(mask, tuple(scores.shape))
+    if fill is not None:
+        return torch.softmax(scores if mask is None else scores.masked_fill(~mask, fill), dim=-1)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))  # exp(-inf) = 0: a masked key gets exactly zero weight
+    row_max = scores.amax(dim=-1, keepdim=True).detach()  # (..., Tq, 1); softmax ignores the shift, so detach
+    row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)  # an all-masked row has max -inf
+    e = torch.exp(scores - row_max)
+    denom = e.sum(dim=-1, keepdim=True)  # >= 1 for a row with an allowed key, else 0
+    return e / torch.where(denom > 0, denom, 1.0)  # all-masked row: 0 / 1 = 0
+
+
+def scaled_dot_product_attention(q, k, v, mask=None, *, fill=None):
+    """softmax(Q K^T / sqrt(dk)) V.  q (..., Tq, dk), k (..., Tk, dk), v (..., Tk, dv), mask True = may attend.
+
+    Returns (output (..., Tq, dv), weights (..., Tq, Tk)).
+    """
+    _check_qkv(q, k, v)
+    weights = attention_weights(q, k, mask, fill=fill)  # (..., Tq, Tk)
+    return weights @ v, weights  # (..., Tq, dv)
+
+
+# -- masks ---------------------------------------------------------------------------------------------------
+
+
+def padding_mask(tokens: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """(B, T) integer tokens -> (B, 1, 1, T) torch.bool, True where the token is real (not `pad_id`)."""
+    if (
+        not isinstance(tokens, torch.Tensor)
+        or tokens.dim() != 2
+        or tokens.is_floating_point()
+        or tokens.is_complex()
+        or tokens.dtype == torch.bool
+    ):
+        got = f"shape {tuple(tokens.shape)}, {tokens.dtype}" if isinstance(tokens, torch.Tensor) else type(tokens)
+        raise ValueError(f"padding_mask: tokens must be a (B, T) integer tensor, got {got}")
+    return (tokens != pad_id)[:, None, None, :]
+
+
+def causal_mask(T: int, device=None) -> torch.Tensor:
+    """(1, 1, T, T) torch.bool, lower triangular: query i may attend to keys 0..i."""
+    if T < 1:
+        raise ValueError(f"causal_mask: T must be positive, got {T}")
+    return torch.ones(T, T, dtype=torch.bool, device=device).tril()[None, None]
+
+
+def decoder_mask(tgt_tokens: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """The decoder's self-attention mask: causal AND not padding. (B, T) tokens -> (B, 1, T, T) torch.bool."""
+    return padding_mask(tgt_tokens, pad_id) & causal_mask(tgt_tokens.shape[1], device=tgt_tokens.device)
+
+
+# -- multi-head attention ------------------------------------------------------------------------------------
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention, the twin of tfm_numpy.MultiHeadAttention (same submodules, same keys).
+
+    forward(query (B, Tq, d), key (B, Tk, d), value (B, Tk, d), mask) -> (B, Tq, d); `attn_weights` keeps
+    the last softmax weights (B, H, Tq, Tk), detached, before dropout.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0, bias: bool = True, *, rng=None, dtype=None):
+        super().__init__()
+        if n_heads < 1 or d_model % n_heads != 0:
+            raise ValueError(f"MultiHeadAttention: d_model={d_model} must be divisible by n_heads={n_heads}")
+        self.d_model, self.n_heads, self.d_head = d_model, n_heads, d_model // n_heads
+        dt, g = check_dtype(dtype), as_generator(rng)
+        self.q_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
+        self.k_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
+        self.v_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
+        self.out_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
+        self.dropout = Dropout(dropout, rng=g)  # on the attention weights, in training only
+        self.attn_weights: torch.Tensor | None = None
+
+    def _split(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, d) -> (B, H, T, dk)."""
+        B, T, _ = x.shape
+        return x.reshape(B, T, self.n_heads, self.d_head).transpose(1, 2)
+
+    def _merge(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, H, T, dk) -> (B, T, d)."""
+        B, _, T, _ = x.shape
+        return x.transpose(1, 2).reshape(B, T, self.d_model)
+
+    def _check(self, query, key, value) -> None:
+        dt = self.q_proj.weight.dtype
+        for arg, x in (("query", query), ("key", key), ("value", value)):
+            check_input(f"MultiHeadAttention: {arg}", x, last_dim=self.d_model, dtype=dt)
+            if x.dim() != 3:
+                raise ValueError(f"MultiHeadAttention: {arg} must be (B, T, d_model), got shape {tuple(x.shape)}")
+        if not query.shape[0] == key.shape[0] == value.shape[0]:
+            shapes = f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
+            raise ValueError(f"MultiHeadAttention: batch sizes differ: {shapes}")
+        if key.shape[1] != value.shape[1]:
+            shapes = f"key {tuple(key.shape)}, value {tuple(value.shape)}"
+            raise ValueError(f"MultiHeadAttention: key and value lengths differ: {shapes}")
+
+    def forward(self, query, key, value, mask=None) -> torch.Tensor:
+        self._check(query, key, value)
+        q = self._split(self.q_proj(query))  # (B, H, Tq, dk)
+        k = self._split(self.k_proj(key))  # (B, H, Tk, dk)
+        v = self._split(self.v_proj(value))  # (B, H, Tk, dk)
+        p = attention_weights(q, k, mask)  # (B, H, Tq, Tk)
+        self.attn_weights = p.detach()
+        ctx = self.dropout(p) @ v  # (B, H, Tq, dk)
+        return self.out_proj(self._merge(ctx))  # (B, Tq, d)
+
+    def extra_repr(self) -> str:
+        return f"d_model={self.d_model}, n_heads={self.n_heads}"

@@ -1,3 +1,75 @@
-"""Placeholder: filled by the issue that builds this module."""
+"""Positional encodings, PyTorch track: the same names, arguments and state_dict keys as tfm_numpy.positional."""
 
-__all__: list[str] = []
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .layers import Dropout
+from .module import as_generator, check_dtype, check_input
+
+__all__ = ["sinusoidal_positional_encoding", "PositionalEncoding", "LearnedPositionalEmbedding"]
+
+
+def sinusoidal_positional_encoding(max_len: int, d_model: int, dtype=None) -> torch.Tensor:
+    """(max_len, d_model): PE[pos, 2i] = sin(pos / 10000^(2i/d)), PE[pos, 2i+1] = cos(...). Float64, then cast."""
+    if max_len < 1 or d_model < 2 or d_model % 2:
+        raise ValueError(f"sinusoidal_positional_encoding: need max_len >= 1 and an even d_model >= 2, "
+                         f"got max_len={max_len}, d_model={d_model}")  # fmt: skip
+    pos = torch.arange(max_len, dtype=torch.float64)[:, None]  # (max_len, 1)
+    two_i = torch.arange(0, d_model, 2, dtype=torch.float64)  # (d_model / 2,)
+    angle = pos / torch.pow(10000.0, two_i / d_model)  # (max_len, d_model / 2)
+    pe = torch.empty(max_len, d_model, dtype=torch.float64)
+    pe[:, 0::2] = torch.sin(angle)
+    pe[:, 1::2] = torch.cos(angle)
+    return pe.to(check_dtype(dtype))
+
+
+def _check_length(name: str, T: int, offset: int, max_len: int) -> None:
+    if offset < 0:
+        raise ValueError(f"{name}: offset must be >= 0, got {offset}")
+    if offset + T > max_len:
+        start = f" starting at position {offset}" if offset else ""
+        raise ValueError(f"{name}: sequence length {T}{start} exceeds max_len {max_len}")
+
+
+class PositionalEncoding(nn.Module):
+    """x + PE[offset : offset + T], then dropout. The table is a non-persistent buffer: no state_dict key."""
+
+    def __init__(self, d_model: int, max_len: int = 5000, dropout: float = 0.0, *, rng=None, dtype=None):
+        super().__init__()
+        self.d_model, self.max_len = d_model, max_len
+        pe = sinusoidal_positional_encoding(max_len, d_model, dtype=check_dtype(dtype))
+        self.register_buffer("pe", pe, persistent=False)  # moves with .to()/.double(), not saved
+        self.dropout = Dropout(dropout, rng=as_generator(rng))
+
+    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        check_input("PositionalEncoding", x, ndim_min=2, last_dim=self.d_model, dtype=self.pe.dtype)
+        T = x.shape[-2]
+        _check_length("PositionalEncoding", T, offset, self.max_len)
+        return self.dropout(x + self.pe[offset : offset + T])  # (..., T, d) + (T, d)
+
+    def extra_repr(self) -> str:
+        return f"d_model={self.d_model}, max_len={self.max_len}"
+
+
+class LearnedPositionalEmbedding(nn.Module):
+    """x + W[offset : offset + T] with a trained table `weight` (max_len, d_model), initialized N(0, 1)."""
+
+    def __init__(self, max_len: int, d_model: int, *, rng=None, dtype=None):
+        super().__init__()
+        if max_len < 1 or d_model < 1:
+            raise ValueError(f"LearnedPositionalEmbedding: sizes must be positive, got max_len={max_len}, "
+                             f"d_model={d_model}")  # fmt: skip
+        self.max_len, self.d_model = max_len, d_model
+        w = torch.empty(max_len, d_model, dtype=check_dtype(dtype)).normal_(generator=as_generator(rng))
+        self.weight = nn.Parameter(w)
+
+    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        check_input("LearnedPositionalEmbedding", x, ndim_min=2, last_dim=self.d_model, dtype=self.weight.dtype)
+        T = x.shape[-2]
+        _check_length("LearnedPositionalEmbedding", T, offset, self.max_len)
+        return x + self.weight[offset : offset + T]  # (..., T, d) + (T, d)
+
+    def extra_repr(self) -> str:
+        return f"max_len={self.max_len}, d_model={self.d_model}"
