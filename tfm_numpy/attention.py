@@ -14,8 +14,8 @@ import math
 
 import numpy as np
 
-from .layers import Dropout, Linear
-from .module import FLOAT_DTYPES, Module, as_rng, check_dtype, check_input
+from .layers import Linear
+from .module import FLOAT_DTYPES, Module, as_rng, check_dtype, check_grad, check_input
 
 __all__ = [
     "attention_weights",
@@ -139,6 +139,7 @@ def scaled_dot_product_attention_backward(grad_out, q, k, v, weights, mask=None)
 
     Needs the forward's inputs and its weights; pass the mask only after a `fill` forward.
     """
+    check_grad("scaled_dot_product_attention", grad_out, (*weights.shape[:-1], v.shape[-1]), weights.dtype)
     dv = np.swapaxes(weights, -1, -2) @ grad_out  # (..., Tk, Tq) @ (..., Tq, dv) -> (..., Tk, dv)
     d_weights = grad_out @ np.swapaxes(v, -1, -2)  # (..., Tq, dv) @ (..., dv, Tk) -> (..., Tq, Tk)
     dq, dk = attention_weights_backward(d_weights, q, k, weights, mask)
@@ -155,7 +156,9 @@ def padding_mask(tokens: np.ndarray, pad_id: int) -> np.ndarray:
     """
     tokens = np.asarray(tokens)
     if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
-        raise ValueError(f"padding_mask: tokens must be a (B, T) integer array, got shape {tokens.shape}, {tokens.dtype}")
+        raise ValueError(
+            f"padding_mask: tokens must be a (B, T) integer array, got shape {tokens.shape}, {tokens.dtype}"
+        )
     return (tokens != pad_id)[:, None, None, :]
 
 
@@ -185,7 +188,9 @@ class MultiHeadAttention(Module):
     gradients: self-attention `dx = sum(mha.backward(g))`, cross-attention `d_memory = d_key + d_value`.
     """
 
-    def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0, bias: bool = True, *, rng=None, dtype=np.float32):
+    def __init__(
+        self, d_model: int, n_heads: int, dropout: float = 0.0, bias: bool = True, *, rng=None, dtype=np.float32
+    ):
         super().__init__()
         if n_heads < 1 or d_model % n_heads != 0:
             raise ValueError(f"MultiHeadAttention: d_model={d_model} must be divisible by n_heads={n_heads}")
@@ -195,6 +200,8 @@ class MultiHeadAttention(Module):
         self.k_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
         self.v_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
         self.out_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
+        from .layers import Dropout  # TODO(issue 4): top-level import once layers.Dropout has landed
+
         self.dropout = Dropout(dropout, rng=g)  # on the attention weights, in training only
         self.attn_weights: np.ndarray | None = None
 
@@ -230,11 +237,12 @@ class MultiHeadAttention(Module):
         p_drop = self.dropout(p)  # identity in eval or with p = 0
         ctx = p_drop @ v  # (B, H, Tq, dk)
         self.attn_weights = p
-        self._cache = (q, k, v, p, p_drop)
+        self._cache = (q, k, v, p, p_drop, query.shape)
         return self.out_proj(self._merge(ctx))  # (B, Tq, d)
 
     def backward(self, grad_out: np.ndarray):
-        q, k, v, p, p_drop = self._saved()
+        q, k, v, p, p_drop, out_shape = self._saved()
+        check_grad("MultiHeadAttention", grad_out, out_shape, q.dtype)
         d_ctx = self._split(self.out_proj.backward(grad_out))  # (B, H, Tq, dk)
         dv = np.swapaxes(p_drop, -1, -2) @ d_ctx  # (B, H, Tk, dk)
         dp = self.dropout.backward(d_ctx @ np.swapaxes(v, -1, -2))  # (B, H, Tq, Tk), through the dropout mask

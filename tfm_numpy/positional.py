@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .layers import Dropout
-from .module import Module, Parameter, as_rng, check_dtype, check_input
+from .module import Module, Parameter, as_rng, check_dtype, check_grad, check_input
 
 __all__ = ["sinusoidal_positional_encoding", "PositionalEncoding", "LearnedPositionalEmbedding"]
 
@@ -51,6 +50,8 @@ class PositionalEncoding(Module):
         super().__init__()
         self.d_model, self.max_len, self.dtype = d_model, max_len, check_dtype(dtype)
         self.pe = sinusoidal_positional_encoding(max_len, d_model, dtype=self.dtype)  # (max_len, d_model)
+        from .layers import Dropout  # TODO(issue 4): top-level import once layers.Dropout has landed
+
         self.dropout = Dropout(dropout, rng=as_rng(rng))
 
     def forward(self, x: np.ndarray, offset: int = 0) -> np.ndarray:
@@ -59,11 +60,11 @@ class PositionalEncoding(Module):
         check_input("PositionalEncoding", x, ndim_min=2, last_dim=self.d_model, dtype=self.dtype)
         T = x.shape[-2]
         _check_length("PositionalEncoding", T, offset, self.max_len)
-        self._cache = ()  # nothing to keep: the sum's gradient is the identity
+        self._cache = x.shape  # the sum's gradient is the identity: only the shape, to check grad_out
         return self.dropout(x + self.pe[offset : offset + T])  # (..., T, d) + (T, d)
 
     def backward(self, grad_out: np.ndarray) -> np.ndarray:
-        self._saved()
+        check_grad("PositionalEncoding", grad_out, self._saved(), self.dtype)
         return self.dropout.backward(grad_out)
 
     def extra_repr(self) -> str:
@@ -89,11 +90,13 @@ class LearnedPositionalEmbedding(Module):
         check_input("LearnedPositionalEmbedding", x, ndim_min=2, last_dim=self.d_model, dtype=self.weight.dtype)
         T = x.shape[-2]
         _check_length("LearnedPositionalEmbedding", T, offset, self.max_len)
-        self._cache = (T, offset)
+        self._cache = (x.shape, offset)
         return x + self.weight.data[offset : offset + T]  # (..., T, d) + (T, d)
 
     def backward(self, grad_out: np.ndarray) -> np.ndarray:
-        T, offset = self._saved()
+        shape, offset = self._saved()
+        check_grad("LearnedPositionalEmbedding", grad_out, shape, self.weight.dtype)
+        T = shape[-2]
         # every sequence in the batch used the same rows: sum over all leading dims
         self.weight.grad[offset : offset + T] += grad_out.reshape(-1, T, self.d_model).sum(axis=0)
         return grad_out

@@ -12,7 +12,7 @@ import math
 import torch
 from torch import nn
 
-from .layers import Dropout, Linear
+from .layers import Linear
 from .module import as_generator, check_dtype, check_input
 
 __all__ = [
@@ -48,7 +48,9 @@ def _check_qkv(q, k, v=None) -> None:
     if qs[:-2] != ks[:-2]:
         raise ValueError(f"{name}: q and k must have the same leading dimensions, got q {qs} and k {ks}")
     if v is not None and tuple(v.shape[:-1]) != ks[:-1]:
-        raise ValueError(f"{name}: k and v must have the same shape but the last dim, got k {ks} and v {tuple(v.shape)}")
+        raise ValueError(
+            f"{name}: k and v must have the same shape but the last dim, got k {ks} and v {tuple(v.shape)}"
+        )
 
 
 def _check_mask(mask, scores_shape: tuple[int, ...]) -> None:
@@ -147,6 +149,8 @@ class MultiHeadAttention(nn.Module):
         self.k_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
         self.v_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
         self.out_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
+        from .layers import Dropout  # TODO(issue 4): top-level import once layers.Dropout has landed
+
         self.dropout = Dropout(dropout, rng=g)  # on the attention weights, in training only
         self.attn_weights: torch.Tensor | None = None
 
