@@ -5,11 +5,14 @@ Shapes: `N` is any number of leading dimensions, e.g. `(B, T)`.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
-from .module import Module, Parameter, as_rng, check_dtype, check_input
+from .functional import erf
+from .module import Module, Parameter, as_rng, check_dtype, check_grad, check_indices, check_input, check_probability
 
-__all__ = ["Linear"]
+__all__ = ["Linear", "Embedding", "ReLU", "GELU", "Dropout", "LayerNorm"]
 
 
 class Linear(Module):
@@ -39,6 +42,7 @@ class Linear(Module):
 
     def backward(self, grad_out: np.ndarray) -> np.ndarray:
         x2, x_shape = self._saved()
+        check_grad("Linear", grad_out, (*x_shape[:-1], self.out_features), x2.dtype)
         g2 = grad_out.reshape(-1, self.out_features)  # (N, out)
         self.weight.grad += g2.T @ x2  # (out, in)
         if self.bias is not None:
@@ -47,3 +51,211 @@ class Linear(Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class Embedding(Module):
+    """A lookup table: row `i` of `weight` (num_embeddings, embedding_dim) is the vector of token `i`.
+
+    Mathematically `onehot(ids) @ weight`, but building the (N, num_embeddings) one-hot matrix
+    would waste memory and FLOPs: the forward is plain indexing and the backward scatters rows.
+    Initialization as torch: N(0, 1). Row `padding_idx` (if given) starts at zero and never
+    receives a gradient, so it stays zero during training.
+    """
+
+    def __init__(
+        self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None, *, rng=None, dtype=np.float32
+    ):
+        super().__init__()
+        if num_embeddings < 1 or embedding_dim < 1:
+            raise ValueError(
+                f"Embedding: sizes must be positive, got num_embeddings={num_embeddings}, embedding_dim={embedding_dim}"
+            )
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.padding_idx = _check_padding_idx(padding_idx, num_embeddings)
+        dt, g = check_dtype(dtype), as_rng(rng)
+        w = g.standard_normal((num_embeddings, embedding_dim)).astype(dt)
+        if self.padding_idx is not None:
+            w[self.padding_idx] = 0
+        self.weight = Parameter(w)
+
+    def forward(self, ids: np.ndarray) -> np.ndarray:
+        check_indices("Embedding: ids", ids, self.num_embeddings)
+        self._cache = ids
+        return self.weight.data[ids]  # (*ids.shape, D): one row gathered per id
+
+    def backward(self, grad_out: np.ndarray) -> None:
+        ids = self._saved()
+        check_grad("Embedding", grad_out, (*ids.shape, self.embedding_dim), self.weight.dtype)
+        flat_ids = ids.reshape(-1)  # (N,)
+        g2 = grad_out.reshape(-1, self.embedding_dim)  # (N, D)
+        if self.padding_idx is not None:
+            keep = flat_ids != self.padding_idx
+            flat_ids, g2 = flat_ids[keep], g2[keep]
+        # dW[i] = sum of grad rows whose id is i. `W.grad[ids] += g2` would be wrong: with a
+        # repeated id, fancy-index assignment keeps only one of the rows. np.add.at accumulates all.
+        np.add.at(self.weight.grad, flat_ids, g2)
+        return None  # integer ids have no gradient
+
+    def extra_repr(self) -> str:
+        s = f"{self.num_embeddings}, {self.embedding_dim}"
+        return s + (f", padding_idx={self.padding_idx}" if self.padding_idx is not None else "")
+
+
+def _check_padding_idx(padding_idx, num_embeddings: int) -> int | None:
+    """torch's rule: padding_idx in [-num_embeddings, num_embeddings), negative counts from the end."""
+    if padding_idx is None:
+        return None
+    if not isinstance(padding_idx, (int, np.integer)) or isinstance(padding_idx, bool):
+        raise TypeError(f"Embedding: padding_idx expected an int or None, got {type(padding_idx).__name__}")
+    if not -num_embeddings <= padding_idx < num_embeddings:
+        raise ValueError(f"Embedding: padding_idx must be in [-{num_embeddings}, {num_embeddings}), got {padding_idx}")
+    return int(padding_idx) % num_embeddings
+
+
+class ReLU(Module):
+    """y = max(x, 0); dy/dx = 1 where x > 0, else 0 (0 at x = 0 exactly, as torch)."""
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        check_input("ReLU", x)
+        mask = x > 0  # (N...) bool: where the gradient flows
+        self._cache = (mask, x.dtype)
+        return np.maximum(x, 0)  # the Python 0 does not change x's dtype
+
+    def backward(self, grad_out: np.ndarray) -> np.ndarray:
+        mask, dtype = self._saved()
+        check_grad("ReLU", grad_out, mask.shape, dtype)
+        return np.where(mask, grad_out, 0).astype(grad_out.dtype, copy=False)
+
+
+class GELU(Module):
+    """y = x Phi(x), Phi the standard normal CDF: Phi(x) = (1 + erf(x / sqrt 2)) / 2.
+
+    approximate="tanh" uses Phi(x) ~ (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) / 2 (the GPT-2 / BERT form).
+      exact:  dy/dx = Phi(x) + x phi(x),  phi(x) = exp(-x^2 / 2) / sqrt(2 pi)
+      tanh:   with u = sqrt(2/pi) (x + 0.044715 x^3), t = tanh u:
+              dy/dx = (1 + t) / 2 + x (1 - t^2) / 2 * sqrt(2/pi) (1 + 3 * 0.044715 x^2)
+    """
+
+    def __init__(self, approximate: str = "none"):
+        super().__init__()
+        if approximate not in ("none", "tanh"):
+            raise ValueError(f"GELU: approximate must be 'none' or 'tanh', got {approximate!r}")
+        self.approximate = approximate
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        check_input("GELU", x)
+        if self.approximate == "none":
+            cdf = 0.5 * (1 + erf(x * (1 / math.sqrt(2))))  # Phi(x), x's dtype
+            dcdf = np.exp(-0.5 * x * x) * (1 / math.sqrt(2 * math.pi))  # phi(x) = Phi'(x)
+        else:
+            c = math.sqrt(2 / math.pi)
+            t = np.tanh(c * (x + 0.044715 * x**3))
+            cdf = 0.5 * (1 + t)
+            dcdf = 0.5 * (1 - t * t) * c * (1 + 3 * 0.044715 * x * x)
+        self._cache = (x, cdf, dcdf)
+        return x * cdf
+
+    def backward(self, grad_out: np.ndarray) -> np.ndarray:
+        x, cdf, dcdf = self._saved()
+        check_grad("GELU", grad_out, x.shape, x.dtype)
+        return grad_out * (cdf + x * dcdf)  # product rule on x * cdf(x)
+
+    def extra_repr(self) -> str:
+        return f"approximate={self.approximate!r}"
+
+
+class Dropout(Module):
+    """Inverted dropout: in training, zero each entry with probability p and scale the rest by 1/(1-p),
+    so E[y] = x and nothing needs rescaling at evaluation, where dropout is the identity.
+
+    `rng` (a numpy Generator or seed) draws the masks. After a training forward, `mask` holds the
+    boolean keep-mask that was used; `forward(x, mask=...)` applies a given keep-mask instead of
+    drawing one (to run two tracks, or a gradient check, with the same mask).
+    """
+
+    def __init__(self, p: float = 0.5, *, rng=None):
+        super().__init__()
+        self.p = check_probability("Dropout", "p", p, allow_one=False)
+        self.rng = as_rng(rng)
+        self.mask: np.ndarray | None = None
+
+    def forward(self, x: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
+        check_input("Dropout", x)
+        if not self.training or (self.p == 0 and mask is None):
+            self._cache = (None, x.shape, x.dtype)
+            return x
+        if mask is None:
+            mask = self.rng.random(x.shape) >= self.p  # keep with probability 1 - p (float64 draw: dtype-free)
+        elif not (isinstance(mask, np.ndarray) and mask.dtype == np.bool_ and mask.shape == x.shape):
+            raise ValueError(f"Dropout: mask expected a bool array of shape {x.shape}, got {_describe(mask)}")
+        self.mask = mask
+        scale = mask * x.dtype.type(1 / (1 - self.p))  # (N...) in x's dtype: 0 or 1/(1-p)
+        self._cache = (scale, x.shape, x.dtype)
+        return x * scale
+
+    def backward(self, grad_out: np.ndarray) -> np.ndarray:
+        scale, shape, dtype = self._saved()
+        check_grad("Dropout", grad_out, shape, dtype)
+        return grad_out if scale is None else grad_out * scale  # the same mask and scale as forward
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"
+
+
+def _describe(a) -> str:
+    return f"{a.dtype} array of shape {a.shape}" if isinstance(a, np.ndarray) else type(a).__name__
+
+
+class LayerNorm(Module):
+    """Normalize over the last len(normalized_shape) dims, then scale and shift (exactly torch.nn.LayerNorm):
+        mu = mean(x), var = mean((x - mu)^2)  (biased: divide by n, not n - 1)
+        xhat = (x - mu) / sqrt(var + eps)     (eps inside the square root)
+        y = xhat * weight + bias              weight = 1, bias = 0 at initialization
+
+    Backward, per normalized group of n values, with g = dL/dy and rstd = 1/sqrt(var + eps):
+        dL/dweight = sum over groups of g * xhat,   dL/dbias = sum over groups of g
+        dxhat = g * weight
+        dL/dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))
+    The last line comes from d xhat_i / d x_j = rstd (delta_ij - 1/n - xhat_i xhat_j / n): the mean
+    term removes the component along (1, ..., 1), the xhat term the component along xhat (both
+    directions that the normalization cannot change).
+    """
+
+    def __init__(self, normalized_shape, eps: float = 1e-5, *, dtype=np.float32):
+        super().__init__()
+        shape = (normalized_shape,) if isinstance(normalized_shape, (int, np.integer)) else tuple(normalized_shape)
+        if not shape or any(int(n) < 1 for n in shape):
+            raise ValueError(f"LayerNorm: normalized_shape must be positive sizes, got {normalized_shape}")
+        if not eps > 0:
+            raise ValueError(f"LayerNorm: eps must be > 0, got {eps}")
+        self.normalized_shape, self.eps = tuple(int(n) for n in shape), float(eps)
+        dt = check_dtype(dtype)
+        self.weight = Parameter(np.ones(self.normalized_shape, dtype=dt))
+        self.bias = Parameter(np.zeros(self.normalized_shape, dtype=dt))
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        k = len(self.normalized_shape)
+        check_input("LayerNorm", x, ndim_min=k, dtype=self.weight.dtype)
+        if x.shape[-k:] != self.normalized_shape:
+            raise ValueError(f"LayerNorm: expected trailing shape {self.normalized_shape}, got shape {x.shape}")
+        axes = tuple(range(-k, 0))
+        mu = x.mean(axis=axes, keepdims=True)  # (N..., 1...)
+        xc = x - mu
+        var = (xc * xc).mean(axis=axes, keepdims=True)  # biased variance
+        rstd = 1 / np.sqrt(var + self.eps)  # (N..., 1...)
+        xhat = xc * rstd  # (N..., *normalized_shape)
+        self._cache = (xhat, rstd, axes)
+        return xhat * self.weight.data + self.bias.data
+
+    def backward(self, grad_out: np.ndarray) -> np.ndarray:
+        xhat, rstd, axes = self._saved()
+        check_grad("LayerNorm", grad_out, xhat.shape, xhat.dtype)
+        lead = tuple(range(xhat.ndim - len(axes)))  # the batch dims, summed for the parameters
+        self.weight.grad += (grad_out * xhat).sum(axis=lead)
+        self.bias.grad += grad_out.sum(axis=lead)
+        dxhat = grad_out * self.weight.data
+        proj = dxhat.mean(axis=axes, keepdims=True) + xhat * (dxhat * xhat).mean(axis=axes, keepdims=True)
+        return rstd * (dxhat - proj)
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, eps={self.eps}"

@@ -1,3 +1,78 @@
-"""Placeholder: filled by the issue that builds this module."""
+"""Cross-entropy, NumPy track: log-softmax, label smoothing, ignored positions, and the fused backward."""
 
-__all__: list[str] = []
+from __future__ import annotations
+
+import numpy as np
+
+from .functional import log_softmax
+from .module import Module, check_grad, check_indices, check_input, check_probability
+
+__all__ = ["CrossEntropyLoss"]
+
+
+class CrossEntropyLoss(Module):
+    """Mean cross-entropy over the positions whose target is not `ignore_index`, as
+    `torch.nn.functional.cross_entropy(logits.reshape(-1, V), targets.reshape(-1), ...)`.
+
+    logits (..., V) float, classes on the LAST axis (torch's F.cross_entropy wants them at dim 1);
+    targets (...) integer class ids in [0, V), or `ignore_index`.
+
+    Label smoothing eps (torch's convention): the target distribution is
+        q = (1 - eps) * onehot(target) + eps / V        (eps/V on every class, the true one included)
+    and the loss at one position is -sum_v q_v log p_v = (1 - eps) * nll + eps * mean_v(-log p_v).
+
+    Backward (fused): dL/dlogits = (softmax(logits) - q) / n_valid at kept positions, 0 at ignored
+    ones; the softmax Jacobian is never formed, because it cancels against the log.
+
+    If every position is ignored, n_valid = 0: torch returns nan (0/0); we return a loss of 0 and a
+    zero gradient instead, so that an all-padding batch cannot poison training with nan.
+    """
+
+    def __init__(self, ignore_index: int | None = None, label_smoothing: float = 0.0):
+        super().__init__()
+        if ignore_index is not None and (
+            isinstance(ignore_index, bool) or not isinstance(ignore_index, (int, np.integer))
+        ):
+            raise TypeError(
+                f"CrossEntropyLoss: ignore_index expected an int or None, got {type(ignore_index).__name__}"
+            )
+        self.ignore_index = None if ignore_index is None else int(ignore_index)
+        self.label_smoothing = check_probability("CrossEntropyLoss", "label_smoothing", label_smoothing, True)
+
+    def forward(self, logits: np.ndarray, targets: np.ndarray) -> np.floating:
+        check_input("CrossEntropyLoss: logits", logits)
+        if not isinstance(targets, np.ndarray) or targets.shape != logits.shape[:-1]:
+            got = targets.shape if isinstance(targets, np.ndarray) else type(targets).__name__
+            raise ValueError(
+                f"CrossEntropyLoss: targets expected shape {logits.shape[:-1]} (logits without V), got {got}"
+            )
+        V, eps, dt = logits.shape[-1], self.label_smoothing, logits.dtype
+        check_indices("CrossEntropyLoss: targets", targets, V, ignore=self.ignore_index)
+        z = logits.reshape(-1, V)  # (N, V)
+        t = targets.reshape(-1)  # (N,)
+        valid = np.ones(t.shape, dtype=bool) if self.ignore_index is None else t != self.ignore_index  # (N,)
+        t = np.where(valid, t, 0)  # any class id at ignored positions: their loss is masked below
+        logp = log_softmax(z)  # (N, V)
+        nll = -logp[np.arange(t.size), t]  # (N,) -log p_target
+        per_pos = (1 - eps) * nll - eps * logp.mean(axis=-1) if eps else nll  # (N,)
+        n_valid = max(int(valid.sum()), 1)  # all ignored: loss 0 (see the class docstring)
+        self._cache = (logp, t, valid, n_valid, logits.shape)
+        return dt.type(np.where(valid, per_pos, 0).sum() / dt.type(n_valid))
+
+    def backward(self, grad_out=1.0) -> np.ndarray:
+        """dL/dlogits, shaped like the logits; `grad_out` is dLoss_total/dloss (a scalar), 1 by default."""
+        logp, t, valid, n_valid, shape = self._saved()
+        if np.ndim(grad_out) != 0:
+            raise ValueError(f"CrossEntropyLoss.backward: grad_out expected a scalar, got shape {np.shape(grad_out)}")
+        if isinstance(grad_out, np.ndarray):
+            check_grad("CrossEntropyLoss", grad_out, (), logp.dtype)
+        eps, V, dt = self.label_smoothing, shape[-1], logp.dtype
+        d = np.exp(logp)  # (N, V) softmax
+        d[np.arange(t.size), t] -= 1 - eps  # - (1 - eps) onehot
+        if eps:
+            d -= eps / V  # - eps / V everywhere
+        d *= (valid * dt.type(grad_out / n_valid))[:, None]  # 0 at ignored rows, 1/n_valid (times grad_out) at the rest
+        return d.reshape(shape)
+
+    def extra_repr(self) -> str:
+        return f"ignore_index={self.ignore_index}, label_smoothing={self.label_smoothing}"

@@ -224,9 +224,13 @@ def check_grad(name: str, grad_out, shape: tuple[int, ...], dtype) -> np.ndarray
     if not isinstance(grad_out, np.ndarray):
         raise TypeError(f"{name}.backward: grad_out expected a numpy.ndarray, got {type(grad_out).__name__}")
     if grad_out.shape != tuple(shape):
-        raise ValueError(f"{name}.backward: grad_out expected shape {tuple(shape)} (the output's), got {grad_out.shape}")
+        raise ValueError(
+            f"{name}.backward: grad_out expected shape {tuple(shape)} (the output's), got {grad_out.shape}"
+        )
     if grad_out.dtype != dtype:
-        raise TypeError(f"{name}.backward: grad_out expected dtype {np.dtype(dtype)} (the output's), got {grad_out.dtype}")
+        raise TypeError(
+            f"{name}.backward: grad_out expected dtype {np.dtype(dtype)} (the output's), got {grad_out.dtype}"
+        )
     return grad_out
 
 
@@ -246,3 +250,13 @@ def check_indices(name: str, x, high: int, ignore: int | None = None) -> np.ndar
         allowed = f"[0, {high})" + (f" or {ignore}" if ignore is not None else "")
         raise ValueError(f"{name}: values must be in {allowed}, got {x[bad].flat[0]} (and {int(bad.sum()) - 1} more)")
     return x
+
+
+def check_probability(name: str, arg: str, p, allow_one: bool) -> float:
+    """A probability in [0, 1) or [0, 1]; the message names the argument."""
+    if isinstance(p, bool) or not isinstance(p, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name}: {arg} expected a float, got {type(p).__name__}")
+    ok = 0 <= p <= 1 if allow_one else 0 <= p < 1
+    if not ok:
+        raise ValueError(f"{name}: {arg} must be in [0, {'1]' if allow_one else '1)'}, got {p}")
+    return float(p)
