@@ -8,6 +8,7 @@ Parameter names and their order follow `torch.nn.Module`, so the torch twin's
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterator
 
 import numpy as np
@@ -254,7 +255,7 @@ def check_indices(name: str, x, high: int, ignore: int | None = None) -> np.ndar
 
 def check_probability(name: str, arg: str, p, allow_one: bool) -> float:
     """A probability in [0, 1) or [0, 1]; the message names the argument."""
-    if isinstance(p, bool) or not isinstance(p, (int, float, np.integer, np.floating)):
+    if isinstance(p, bool) or not isinstance(p, numbers.Real):
         raise TypeError(f"{name}: {arg} expected a float, got {type(p).__name__}")
     ok = 0 <= p <= 1 if allow_one else 0 <= p < 1
     if not ok:

@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .module import as_generator, check_dtype, check_input
+from .module import as_generator, check_dtype, check_indices, check_input, check_probability
 
-__all__ = ["Linear"]
+__all__ = ["Linear", "Embedding", "ReLU", "GELU", "Dropout", "LayerNorm"]
 
 
 class Linear(nn.Module):
@@ -34,3 +34,137 @@ class Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class Embedding(nn.Module):
+    """A lookup table (num_embeddings, embedding_dim); row `padding_idx` starts at zero and gets no gradient.
+
+    Initialization as torch.nn.Embedding: N(0, 1). F.embedding does the lookup and, given
+    padding_idx, zeroes that row's gradient (plain `weight[ids]` indexing would not).
+    """
+
+    def __init__(
+        self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None, *, rng=None, dtype=None
+    ):
+        super().__init__()
+        if num_embeddings < 1 or embedding_dim < 1:
+            raise ValueError(
+                f"Embedding: sizes must be positive, got num_embeddings={num_embeddings}, embedding_dim={embedding_dim}"
+            )
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.padding_idx = _check_padding_idx(padding_idx, num_embeddings)
+        dt, g = check_dtype(dtype), as_generator(rng)
+        w = torch.empty(num_embeddings, embedding_dim, dtype=dt).normal_(generator=g)
+        if self.padding_idx is not None:
+            w[self.padding_idx] = 0
+        self.weight = nn.Parameter(w)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        check_indices("Embedding: ids", ids, self.num_embeddings)
+        return F.embedding(ids, self.weight, self.padding_idx)  # (*ids.shape, D)
+
+    def extra_repr(self) -> str:
+        s = f"{self.num_embeddings}, {self.embedding_dim}"
+        return s + (f", padding_idx={self.padding_idx}" if self.padding_idx is not None else "")
+
+
+def _check_padding_idx(padding_idx, num_embeddings: int) -> int | None:
+    """torch's rule: padding_idx in [-num_embeddings, num_embeddings), negative counts from the end."""
+    if padding_idx is None:
+        return None
+    if not isinstance(padding_idx, int) or isinstance(padding_idx, bool):
+        raise TypeError(f"Embedding: padding_idx expected an int or None, got {type(padding_idx).__name__}")
+    if not -num_embeddings <= padding_idx < num_embeddings:
+        raise ValueError(f"Embedding: padding_idx must be in [-{num_embeddings}, {num_embeddings}), got {padding_idx}")
+    return padding_idx % num_embeddings
+
+
+class ReLU(nn.Module):
+    """y = max(x, 0)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        check_input("ReLU", x)
+        return torch.relu(x)
+
+
+class GELU(nn.Module):
+    """y = x Phi(x), Phi(x) = (1 + erf(x / sqrt 2)) / 2; approximate="tanh" uses
+    Phi(x) ~ (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) / 2. Written out (not F.gelu) to mirror tfm_numpy."""
+
+    def __init__(self, approximate: str = "none"):
+        super().__init__()
+        if approximate not in ("none", "tanh"):
+            raise ValueError(f"GELU: approximate must be 'none' or 'tanh', got {approximate!r}")
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        check_input("GELU", x)
+        if self.approximate == "none":
+            return x * 0.5 * (1 + torch.erf(x * (1 / math.sqrt(2))))
+        return x * 0.5 * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+
+    def extra_repr(self) -> str:
+        return f"approximate={self.approximate!r}"
+
+
+class Dropout(nn.Module):
+    """Inverted dropout: in training, zero each entry with probability p and scale the rest by 1/(1-p);
+    identity in eval. Masks come from `rng` (a torch.Generator or seed), not the global generator.
+
+    After a training forward, `mask` holds the boolean keep-mask used; `forward(x, mask=...)` applies a
+    given keep-mask instead (e.g. `torch.from_numpy(np_dropout.mask)`, to compare with tfm_numpy).
+    """
+
+    def __init__(self, p: float = 0.5, *, rng=None):
+        super().__init__()
+        self.p = check_probability("Dropout", "p", p, allow_one=False)
+        self.rng = as_generator(rng)
+        self.mask: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        check_input("Dropout", x)
+        if not self.training or (self.p == 0 and mask is None):
+            return x
+        if mask is None:
+            u = torch.rand(x.shape, generator=self.rng, dtype=torch.float64, device=self.rng.device)
+            mask = (u >= self.p).to(x.device)  # keep with probability 1 - p
+        elif not (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.shape == x.shape):
+            got = f"{mask.dtype} tensor of shape {tuple(mask.shape)}" if isinstance(mask, torch.Tensor) else type(mask)
+            raise ValueError(f"Dropout: mask expected a bool tensor of shape {tuple(x.shape)}, got {got}")
+        self.mask = mask
+        return x * mask / (1 - self.p)  # autograd's backward multiplies by the same mask / (1 - p)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"
+
+
+class LayerNorm(nn.Module):
+    """(x - mean) / sqrt(var + eps) * weight + bias over the last len(normalized_shape) dims, biased variance.
+
+    Written out (not F.layer_norm) to mirror tfm_numpy; the tests compare it with torch.nn.LayerNorm.
+    """
+
+    def __init__(self, normalized_shape, eps: float = 1e-5, *, dtype=None):
+        super().__init__()
+        shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+        if not shape or any(int(n) < 1 for n in shape):
+            raise ValueError(f"LayerNorm: normalized_shape must be positive sizes, got {normalized_shape}")
+        if not eps > 0:
+            raise ValueError(f"LayerNorm: eps must be > 0, got {eps}")
+        self.normalized_shape, self.eps = tuple(int(n) for n in shape), float(eps)
+        dt = check_dtype(dtype)
+        self.weight = nn.Parameter(torch.ones(self.normalized_shape, dtype=dt))
+        self.bias = nn.Parameter(torch.zeros(self.normalized_shape, dtype=dt))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        k = len(self.normalized_shape)
+        check_input("LayerNorm", x, ndim_min=k, dtype=self.weight.dtype)
+        if tuple(x.shape[-k:]) != self.normalized_shape:
+            raise ValueError(f"LayerNorm: expected trailing shape {self.normalized_shape}, got shape {tuple(x.shape)}")
+        dims = tuple(range(-k, 0))
+        mu = x.mean(dim=dims, keepdim=True)
+        var = ((x - mu) ** 2).mean(dim=dims, keepdim=True)  # biased, like torch.nn.LayerNorm
+        return (x - mu) * torch.rsqrt(var + self.eps) * self.weight + self.bias
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, eps={self.eps}"

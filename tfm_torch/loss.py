@@ -1,3 +1,54 @@
-"""Placeholder: filled by the issue that builds this module."""
+"""Cross-entropy, PyTorch track: the same class, arguments and conventions as tfm_numpy.loss.
 
-__all__: list[str] = []
+Written out from log_softmax (not F.cross_entropy) to mirror the NumPy track; the tests compare it
+with F.cross_entropy. Autograd does the backward.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .functional import log_softmax
+from .module import check_indices, check_input, check_probability
+
+__all__ = ["CrossEntropyLoss"]
+
+
+class CrossEntropyLoss(nn.Module):
+    """Mean cross-entropy over positions whose target is not `ignore_index`; classes on the LAST axis.
+
+    logits (..., V), targets (...) integer. Label smoothing eps: q = (1 - eps) onehot + eps / V
+    (torch's convention). All positions ignored: loss 0 and zero gradient (torch's F.cross_entropy
+    returns nan there), as in tfm_numpy.
+    """
+
+    def __init__(self, ignore_index: int | None = None, label_smoothing: float = 0.0):
+        super().__init__()
+        if ignore_index is not None and (isinstance(ignore_index, bool) or not isinstance(ignore_index, int)):
+            raise TypeError(
+                f"CrossEntropyLoss: ignore_index expected an int or None, got {type(ignore_index).__name__}"
+            )
+        self.ignore_index = ignore_index
+        self.label_smoothing = check_probability("CrossEntropyLoss", "label_smoothing", label_smoothing, True)
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        check_input("CrossEntropyLoss: logits", logits)
+        if not isinstance(targets, torch.Tensor) or targets.shape != logits.shape[:-1]:
+            got = tuple(targets.shape) if isinstance(targets, torch.Tensor) else type(targets).__name__
+            expected = tuple(logits.shape[:-1])
+            raise ValueError(f"CrossEntropyLoss: targets expected shape {expected} (logits without V), got {got}")
+        eps = self.label_smoothing
+        check_indices("CrossEntropyLoss: targets", targets, logits.shape[-1], ignore=self.ignore_index)
+        valid = (
+            torch.ones_like(targets, dtype=torch.bool) if self.ignore_index is None else targets != self.ignore_index
+        )
+        t = torch.where(valid, targets, 0).long()  # (...,) any class at ignored positions: masked below
+        logp = log_softmax(logits)  # (..., V)
+        nll = -logp.gather(-1, t.unsqueeze(-1)).squeeze(-1)  # (...,)
+        per_pos = (1 - eps) * nll - eps * logp.mean(dim=-1) if eps else nll
+        n_valid = valid.sum().clamp(min=1)  # all ignored: loss 0
+        return torch.where(valid, per_pos, 0).sum() / n_valid
+
+    def extra_repr(self) -> str:
+        return f"ignore_index={self.ignore_index}, label_smoothing={self.label_smoothing}"

@@ -6,6 +6,8 @@ contract (named_parameters, state_dict, train/eval, zero_grad) is torch's own.
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 
@@ -38,3 +40,31 @@ def check_input(name: str, x, ndim_min: int = 1, last_dim: int | None = None, dt
     if last_dim is not None and x.shape[-1] != last_dim:
         raise ValueError(f"{name}: expected last dimension {last_dim}, got shape {tuple(x.shape)}")
     return x
+
+
+def check_indices(name: str, x, high: int, ignore: int | None = None) -> torch.Tensor:
+    """Validate integer indices (token ids, class targets): an integer tensor with values in [0, high).
+
+    `ignore`, if given, is one more allowed value (a loss's `ignore_index`).
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor of integers, got {type(x).__name__}")
+    if x.dtype == torch.bool or x.is_floating_point() or x.is_complex():
+        raise TypeError(f"{name}: expected an integer tensor, got dtype {x.dtype}")
+    bad = (x < 0) | (x >= high)
+    if ignore is not None:
+        bad &= x != ignore
+    if bad.any():
+        allowed = f"[0, {high})" + (f" or {ignore}" if ignore is not None else "")
+        raise ValueError(f"{name}: values must be in {allowed}, got {x[bad][0].item()} (and {int(bad.sum()) - 1} more)")
+    return x
+
+
+def check_probability(name: str, arg: str, p, allow_one: bool) -> float:
+    """A probability in [0, 1) or [0, 1]; the message names the argument."""
+    if isinstance(p, bool) or not isinstance(p, numbers.Real):
+        raise TypeError(f"{name}: {arg} expected a float, got {type(p).__name__}")
+    ok = 0 <= p <= 1 if allow_one else 0 <= p < 1
+    if not ok:
+        raise ValueError(f"{name}: {arg} must be in [0, {'1]' if allow_one else '1)'}, got {p}")
+    return float(p)
