@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from .layers import Linear
+from .layers import Dropout, Linear
 from .module import FLOAT_DTYPES, Module, as_rng, check_dtype, check_grad, check_input
 
 __all__ = [
@@ -200,8 +200,6 @@ class MultiHeadAttention(Module):
         self.k_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
         self.v_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
         self.out_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
-        from .layers import Dropout  # TODO(issue 4): top-level import once layers.Dropout has landed
-
         self.dropout = Dropout(dropout, rng=g)  # on the attention weights, in training only
         self.attn_weights: np.ndarray | None = None
 

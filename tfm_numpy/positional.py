@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .layers import Dropout
 from .module import Module, Parameter, as_rng, check_dtype, check_grad, check_input
 
 __all__ = ["sinusoidal_positional_encoding", "PositionalEncoding", "LearnedPositionalEmbedding"]
@@ -50,8 +51,6 @@ class PositionalEncoding(Module):
         super().__init__()
         self.d_model, self.max_len, self.dtype = d_model, max_len, check_dtype(dtype)
         self.pe = sinusoidal_positional_encoding(max_len, d_model, dtype=self.dtype)  # (max_len, d_model)
-        from .layers import Dropout  # TODO(issue 4): top-level import once layers.Dropout has landed
-
         self.dropout = Dropout(dropout, rng=as_rng(rng))
 
     def forward(self, x: np.ndarray, offset: int = 0) -> np.ndarray:

@@ -12,7 +12,7 @@ import math
 import torch
 from torch import nn
 
-from .layers import Linear
+from .layers import Dropout, Linear
 from .module import as_generator, check_dtype, check_input
 
 __all__ = [
@@ -149,8 +149,6 @@ class MultiHeadAttention(nn.Module):
         self.k_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
         self.v_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
         self.out_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
-        from .layers import Dropout  # TODO(issue 4): top-level import once layers.Dropout has landed
-
         self.dropout = Dropout(dropout, rng=g)  # on the attention weights, in training only
         self.attn_weights: torch.Tensor | None = None
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .layers import Dropout
 from .module import as_generator, check_dtype, check_input
 
 __all__ = ["sinusoidal_positional_encoding", "PositionalEncoding", "LearnedPositionalEmbedding"]
@@ -40,8 +41,6 @@ class PositionalEncoding(nn.Module):
         self.d_model, self.max_len = d_model, max_len
         pe = sinusoidal_positional_encoding(max_len, d_model, dtype=check_dtype(dtype))
         self.register_buffer("pe", pe, persistent=False)  # moves with .to()/.double(), not saved
-        from .layers import Dropout  # TODO(issue 4): top-level import once layers.Dropout has landed
-
         self.dropout = Dropout(dropout, rng=as_generator(rng))
 
     def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
