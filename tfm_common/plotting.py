@@ -27,11 +27,17 @@ def _check_labels(name: str, labels, n: int):
     return labels
 
 
-def _label_axes(ax, x_labels, y_labels) -> None:
+def _label_axes(ax, shape: tuple[int, int], x_labels, y_labels) -> None:
+    """Token labels on the cells, or the cell indices (never fractional ticks)."""
+    rows, cols = shape
     if x_labels is not None:
-        ax.set_xticks(range(len(x_labels)), [str(t) for t in x_labels], rotation=90)
+        ax.set_xticks(range(cols), [str(t) for t in x_labels], rotation=90)
+    elif cols <= 32:
+        ax.set_xticks(range(cols))
     if y_labels is not None:
-        ax.set_yticks(range(len(y_labels)), [str(t) for t in y_labels])
+        ax.set_yticks(range(rows), [str(t) for t in y_labels])
+    elif rows <= 32:
+        ax.set_yticks(range(rows))
 
 
 def plot_attention(
@@ -74,7 +80,7 @@ def plot_attention(
         ax.remove()
     for ax, h in zip(axes, heads, strict=False):
         image = ax.imshow(w[h], cmap=cmap, vmin=0.0, vmax=vmax, aspect="auto")
-        _label_axes(ax, x_labels, y_labels)
+        _label_axes(ax, (Tq, Tk), x_labels, y_labels)
         if H > 1:
             ax.set_title(f"head {h}")
     if colorbar:
@@ -111,7 +117,7 @@ def plot_mask(mask, x_labels=None, y_labels=None, title: str | None = None, ax=N
     ax.set_yticks(np.arange(-0.5, m.shape[0]), minor=True)
     ax.grid(which="minor", color="lightgray", linewidth=0.5)
     ax.tick_params(which="minor", length=0)
-    _label_axes(ax, x_labels, y_labels)
+    _label_axes(ax, m.shape, x_labels, y_labels)
     if title:
         ax.set_title(title)
     return ax.figure
