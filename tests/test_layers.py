@@ -28,7 +28,7 @@ F64, F32 = np.float64, np.float32
 T64, T32 = torch.float64, torch.float32
 
 
-# -- the cases: one per layer and shape --------------------------------------------------------------------------
+# -- the cases: one per layer and shape --------------------------------------------------------------------------------
 @dataclass
 class Case:
     """A layer configuration: how to build it in each track and in torch.nn, and an input for it."""
@@ -102,7 +102,7 @@ def randomize(mod, rng: np.random.Generator) -> None:
         p.data[...] = rng.standard_normal(p.shape)
 
 
-# -- gradient checks -------------------------------------------------------------------------------------------------
+# -- gradient checks ---------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("case", CASES, ids=repr)
 def test_gradient_check_float64(case):
     rng = np.random.default_rng(1)
@@ -138,7 +138,7 @@ def test_gradient_check_detects_a_wrong_layer_norm_backward():
     assert errors["weight"] < 1e-7 and errors["bias"] < 1e-7
 
 
-# -- agreement: NumPy vs torch twin vs torch.nn -----------------------------------------------------------------------
+# -- agreement: NumPy vs torch twin vs torch.nn ------------------------------------------------------------------------
 @pytest.mark.parametrize("case", CASES, ids=repr)
 def test_numpy_twin_and_torch_nn_agree_float64(case):
     rng = np.random.default_rng(4)
@@ -184,7 +184,7 @@ def test_state_dict_round_trip_both_ways(case):
     assert all(p.dtype == T32 for p in float32_twin.parameters())
 
 
-# -- float32 end to end ----------------------------------------------------------------------------------------------
+# -- float32 end to end ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("case", ONE_PER_LAYER, ids=repr)
 def test_float32_stays_float32_and_matches_float64(case):
     rng = np.random.default_rng(6)
@@ -217,7 +217,7 @@ def test_module_astype_converts_parameters_and_gradients():
     assert lin(np.ones((1, 3))).dtype == F64
 
 
-# -- initialization --------------------------------------------------------------------------------------------------
+# -- initialization ----------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("lib, dt", [(tn, F32), (tt, T32)])
 def test_initialization_matches_torch_defaults(lib, dt):
     lin = lib.Linear(64, 256, rng=0)
@@ -244,7 +244,7 @@ def test_initialization_is_reproducible_from_a_seed_or_generator(lib):
     assert not np.array_equal(to_numpy(first.weight.data), to_numpy(second.weight.data))
 
 
-# -- dropout ---------------------------------------------------------------------------------------------------------
+# -- dropout -----------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("lib", [tn, tt])
 def test_dropout_is_identity_in_eval(lib):
     x = np.random.default_rng(0).standard_normal((3, 4)).astype(F32)
@@ -321,7 +321,7 @@ def test_dropout_p_zero_is_identity_in_training_and_float32_mask_scale_stays_flo
     assert out.dtype == F32 and tn.Dropout(0.5, rng=0).forward(x).dtype == F32
 
 
-# -- embedding details -----------------------------------------------------------------------------------------------
+# -- embedding details -------------------------------------------------------------------------------------------------
 def test_embedding_backward_accumulates_repeated_ids_and_skips_padding():
     emb = tn.Embedding(4, 2, padding_idx=1, dtype=F64)
     ids = np.array([[0, 0, 1, 3], [3, 3, 1, 0]])
@@ -336,7 +336,7 @@ def test_embedding_backward_accumulates_repeated_ids_and_skips_padding():
     assert np.array_equal(emb(ids)[0, 2], np.zeros(2))  # the padding row stays zero
 
 
-# -- the Module contract ---------------------------------------------------------------------------------------------
+# -- the Module contract -----------------------------------------------------------------------------------------------
 def test_zero_grad_and_gradients_accumulate_across_backward_calls():
     rng = np.random.default_rng(0)
     ln = tn.LayerNorm(4, dtype=F64)

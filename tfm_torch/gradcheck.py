@@ -12,9 +12,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .module import as_generator
-
 __all__ = ["rel_error", "numeric_grad", "grad_check"]
+
+_SALT = 0x67726164  # "grad"
 
 
 def rel_error(a, b) -> float:
@@ -66,7 +66,7 @@ def grad_check(
         if _is_float(x) and x.dtype != torch.float64:
             raise TypeError(f"grad_check: input{i} is {x.dtype}; gradient checks need float64 inputs")
     out = module(*xs, **kwargs)
-    g = as_generator(seed)
+    g = torch.Generator().manual_seed(seed * 1_000_003 + _SALT)  # a stream of its own, not the data's
     w = torch.randn(out.shape, generator=g, dtype=torch.float64) if loss_weights is None else loss_weights
     module.zero_grad(set_to_none=True)
     (w * out).sum().backward()  # analytic, by autograd
