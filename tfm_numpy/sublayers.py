@@ -1,0 +1,56 @@
+"""The position-wise feed-forward sublayer, NumPy track: two matmuls with an activation between them.
+
+Shapes: `(B, T, d_model)` in and out (any leading dims: every position is transformed alone, by the same
+weights, which is what "position-wise" means).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .layers import GELU, Dropout, Linear, ReLU
+from .module import Module, as_rng, check_dtype
+
+__all__ = ["ACTIVATIONS", "PositionwiseFeedForward"]
+
+ACTIVATIONS = ("relu", "gelu")  # the two that torch.nn.TransformerEncoderLayer accepts by name (gelu: exact)
+
+
+def check_activation(owner: str, name) -> str:
+    """The activation's name, validated; `owner` names the layer in the error message."""
+    if name not in ACTIVATIONS:
+        raise ValueError(f"{owner}: activation must be one of {ACTIVATIONS}, got {name!r}")
+    return name
+
+
+class PositionwiseFeedForward(Module):
+    """FFN(x) = linear2(dropout(activation(linear1(x)))), "Attention Is All You Need" eq. (2):
+
+        FFN(x) = max(0, x W1 + b1) W2 + b2,   W1: d_model -> d_ff,  W2: d_ff -> d_model  (d_ff = 4 d_model there)
+
+    The dropout sits on the hidden activations, as in torch.nn.TransformerEncoderLayer; the dropout on the
+    sublayer's output belongs to the residual connection, so it lives in the encoder/decoder layer.
+    Submodule names as torch's layers: `linear1`, `linear2` (state_dict keys `linear1.weight`, ...).
+    """
+
+    def __init__(
+        self, d_model: int, d_ff: int, dropout: float = 0.1, activation: str = "relu", *, rng=None, dtype=np.float32
+    ):
+        super().__init__()
+        dt, g = check_dtype(dtype), as_rng(rng)
+        self.d_model, self.d_ff, self.activation_name = d_model, d_ff, activation
+        self.linear1 = Linear(d_model, d_ff, rng=g, dtype=dt)  # (d_ff, d_model)
+        self.activation = ReLU() if check_activation("PositionwiseFeedForward", activation) == "relu" else GELU()
+        self.dropout = Dropout(dropout, rng=g)
+        self.linear2 = Linear(d_ff, d_model, rng=g, dtype=dt)  # (d_model, d_ff)
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        h = self.activation(self.linear1(x))  # (B, T, d_ff)
+        return self.linear2(self.dropout(h))  # (B, T, d_model)
+
+    def backward(self, grad_out: np.ndarray) -> np.ndarray:
+        dh = self.dropout.backward(self.linear2.backward(grad_out))  # (B, T, d_ff)
+        return self.linear1.backward(self.activation.backward(dh))  # (B, T, d_model)
+
+    def extra_repr(self) -> str:
+        return f"d_model={self.d_model}, d_ff={self.d_ff}, activation={self.activation_name!r}"

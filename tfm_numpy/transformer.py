@@ -1,0 +1,256 @@
+"""The full encoder-decoder Transformer ("Attention Is All You Need", Vaswani et al., 2017), NumPy track.
+
+    src (B, S) ids -> embed * sqrt(d_model) + positions -> dropout -> Encoder -> memory (B, S, d)
+    tgt_in (B, T) ids -> embed * sqrt(d_model) + positions -> dropout -> Decoder(memory) -> Linear -> logits (B, T, V)
+
+Masks are built inside from `pad_id` (True = may attend): the source padding mask `(B, 1, 1, S)` for the
+encoder's self-attention and the decoder's cross-attention, and the target's causal-and-padding mask
+`(B, 1, T, T)` for the decoder's self-attention.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .attention import decoder_mask, padding_mask
+from .encoder_decoder import Decoder, Encoder, _check_bool, _check_positive
+from .layers import Dropout, Embedding, Linear
+from .module import (
+    Module,
+    Parameter,
+    as_rng,
+    check_dtype,
+    check_grad,
+    check_indices,
+    check_input,
+    check_probability,
+)
+from .positional import LearnedPositionalEmbedding, PositionalEncoding
+from .sublayers import check_activation
+
+__all__ = ["POSITIONAL", "xavier_uniform_", "Transformer"]
+
+POSITIONAL = ("sinusoidal", "learned")
+
+
+def xavier_uniform_(p: Parameter, rng=None) -> Parameter:
+    """Glorot and Bengio (2010), in place: U(-a, a) with a = sqrt(6 / (fan_in + fan_out)) for a
+    (fan_out, fan_in) matrix, so that activations and gradients keep their variance through the layer.
+    What `torch.nn.init.xavier_uniform_` does (for 2-D weights)."""
+    if p.data.ndim != 2:
+        raise ValueError(f"xavier_uniform_: expected a matrix, got shape {p.shape}")
+    fan_out, fan_in = p.shape
+    a = math.sqrt(6.0 / (fan_in + fan_out))
+    p.data[...] = as_rng(rng).uniform(-a, a, p.shape)  # drawn in float64, stored in p's dtype
+    return p
+
+
+class Transformer(Module):
+    """The encoder-decoder Transformer. `model(src, tgt_in)` -> logits (B, T, tgt_vocab_size).
+
+    Options (the variants met in the wild):
+      norm_first        False: Post-LN, as in the paper; True: Pre-LN (see `encoder_decoder`).
+      final_norm        a LayerNorm after each stack; None: as norm_first (torch.nn.Transformer always has one).
+      positional        "sinusoidal" (the paper's fixed table) or "learned" (a trained table, one per side).
+      share_embeddings  source and target use one embedding matrix (the paper: a shared source-target
+                        vocabulary); needs src_vocab_size == tgt_vocab_size.
+      tie_output        the output projection's weight IS the target embedding matrix (the paper, section 3.4:
+                        "we share the same weight matrix between the two embedding layers and the pre-softmax
+                        linear transformation", after Press and Wolf, 2017).
+    A tied matrix is one Parameter object used in two (or three) places: each use adds its gradient into the
+    same `.grad`, so the tied weight gets the sum of all uses, with no extra code.
+
+    Embeddings are multiplied by sqrt(d_model) (section 3.4). The output projection has no bias (tied or not;
+    the paper does not mention one, and this makes tying the only difference between the two settings).
+
+    Initialization (with `rng`): every matrix of the encoder and decoder stacks, and an untied output
+    projection, Xavier-uniform (as torch.nn.Transformer and the Annotated Transformer do); biases keep
+    their layer's default, LayerNorms start at 1 and 0. Token embeddings are N(0, 1/d_model), as in
+    tensor2tensor and fairseq: times sqrt(d_model) they have unit variance, the scale of the positional
+    encodings they are added to, whatever the vocabulary size (Xavier would make them shrink with it).
+    The padding row starts at zero. A learned positional table is N(0, 1).
+
+    `encode(src)` and `decode(tgt_in, memory, src_mask)` run the two halves (decoding calls them separately);
+    `backward(dlogits)` after a forward fills every parameter's `.grad` (see `grads()`), and
+    `decode_backward` / `encode_backward` are the two halves of it.
+    """
+
+    def __init__(
+        self,
+        src_vocab_size: int,
+        tgt_vocab_size: int,
+        d_model: int = 512,
+        n_heads: int = 8,
+        d_ff: int = 2048,
+        n_layers: int = 6,
+        dropout: float = 0.1,
+        max_len: int = 1024,
+        norm_first: bool = False,
+        positional: str = "sinusoidal",
+        share_embeddings: bool = False,
+        tie_output: bool = True,
+        pad_id: int = 0,
+        activation: str = "relu",
+        final_norm: bool | None = None,
+        *,
+        rng=None,
+        dtype=np.float32,
+    ):
+        super().__init__()
+        self.config = _check_config(
+            "Transformer",
+            dict(
+                src_vocab_size=src_vocab_size,
+                tgt_vocab_size=tgt_vocab_size,
+                d_model=d_model,
+                n_heads=n_heads,
+                d_ff=d_ff,
+                n_layers=n_layers,
+                dropout=dropout,
+                max_len=max_len,
+                norm_first=norm_first,
+                positional=positional,
+                share_embeddings=share_embeddings,
+                tie_output=tie_output,
+                pad_id=pad_id,
+                activation=activation,
+                final_norm=final_norm,
+            ),
+        )
+        self.d_model, self.max_len, self.pad_id = d_model, max_len, pad_id
+        self.src_vocab_size, self.tgt_vocab_size = src_vocab_size, tgt_vocab_size
+        dt, g = check_dtype(dtype), as_rng(rng)
+        stack = (n_layers, d_model, n_heads, d_ff, dropout, activation, norm_first, final_norm)
+
+        self.src_embed = Embedding(src_vocab_size, d_model, padding_idx=pad_id, rng=g, dtype=dt)
+        self.tgt_embed = Embedding(tgt_vocab_size, d_model, padding_idx=pad_id, rng=g, dtype=dt)
+        for emb in (self.src_embed, self.tgt_embed):
+            emb.weight.data *= dt.type(d_model**-0.5)  # N(0, 1) -> N(0, 1/d_model); the padding row stays 0
+        if share_embeddings:
+            self.tgt_embed.weight = self.src_embed.weight  # one Parameter, two lookups
+        self.src_pos = self._make_positional(positional, g, dt)
+        self.tgt_pos = self._make_positional(positional, g, dt)
+        self.src_dropout = Dropout(dropout, rng=g)
+        self.tgt_dropout = Dropout(dropout, rng=g)
+        self.encoder = Encoder(*stack, rng=g, dtype=dt)
+        self.decoder = Decoder(*stack, rng=g, dtype=dt)
+        self.output_projection = Linear(d_model, tgt_vocab_size, bias=False, rng=g, dtype=dt)  # (V, d)
+        if tie_output:
+            self.output_projection.weight = self.tgt_embed.weight  # (V, d) both: logits = y @ E^T
+        else:
+            xavier_uniform_(self.output_projection.weight, g)
+        for _, p in [*self.encoder.named_parameters(), *self.decoder.named_parameters()]:
+            if p.data.ndim == 2:
+                xavier_uniform_(p, g)
+
+    def _make_positional(self, positional: str, g, dt) -> Module:
+        if positional == "sinusoidal":  # no parameters; its own dropout unused (p=0): ours follows the sum
+            return PositionalEncoding(self.d_model, self.max_len, dropout=0.0, dtype=dt)
+        return LearnedPositionalEmbedding(self.max_len, self.d_model, rng=g, dtype=dt)
+
+    # -- the two halves ---------------------------------------------------------------------------------------
+    def encode(self, src: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """src (B, S) ids -> (memory (B, S, d), src_mask (B, 1, 1, S), True at real tokens)."""
+        self._check_tokens("src", src, self.src_vocab_size)
+        src_mask = padding_mask(src, self.pad_id)  # (B, 1, 1, S)
+        x = self._embed(src, self.src_embed, self.src_pos, self.src_dropout)  # (B, S, d)
+        return self.encoder(x, src_mask), src_mask
+
+    def decode(self, tgt_in: np.ndarray, memory: np.ndarray, src_mask: np.ndarray) -> np.ndarray:
+        """tgt_in (B, T) ids, memory (B, S, d), src_mask (B, 1, 1, S) -> logits (B, T, tgt_vocab_size)."""
+        self._check_tokens("tgt_in", tgt_in, self.tgt_vocab_size)
+        check_input(
+            "Transformer.decode: memory", memory, ndim_min=3, last_dim=self.d_model, dtype=self.src_embed.weight.dtype
+        )
+        if memory.ndim != 3 or memory.shape[0] != tgt_in.shape[0]:
+            raise ValueError(
+                f"Transformer.decode: memory expected shape (B={tgt_in.shape[0]}, S, {self.d_model}), "
+                f"got {memory.shape}"
+            )
+        tgt_mask = decoder_mask(tgt_in, self.pad_id)  # (B, 1, T, T): causal and not padding
+        y = self._embed(tgt_in, self.tgt_embed, self.tgt_pos, self.tgt_dropout)  # (B, T, d)
+        y = self.decoder(y, memory, tgt_mask, src_mask)  # (B, T, d)
+        logits = self.output_projection(y)  # (B, T, V)
+        self._cache = (logits.shape, logits.dtype)
+        return logits
+
+    def forward(self, src: np.ndarray, tgt_in: np.ndarray) -> np.ndarray:
+        memory, src_mask = self.encode(src)
+        return self.decode(tgt_in, memory, src_mask)  # (B, T, V)
+
+    # -- backward: the same path in reverse ---------------------------------------------------------------------
+    def decode_backward(self, grad_logits: np.ndarray) -> np.ndarray:
+        """Backward of the last `decode`: fills the decoder side's gradients, returns dL/dmemory (B, S, d)."""
+        check_grad("Transformer", grad_logits, *self._saved())
+        dy = self.output_projection.backward(grad_logits)  # (B, T, d); adds into the tied weight's grad
+        dy, d_memory = self.decoder.backward(dy)
+        self._embed_backward(dy, self.tgt_embed, self.tgt_pos, self.tgt_dropout)
+        return d_memory
+
+    def encode_backward(self, grad_memory: np.ndarray) -> None:
+        """Backward of the last `encode`, from dL/dmemory (B, S, d)."""
+        dx = self.encoder.backward(grad_memory)
+        self._embed_backward(dx, self.src_embed, self.src_pos, self.src_dropout)
+
+    def backward(self, grad_logits: np.ndarray) -> None:
+        """After `forward`: add dL/dparam into every parameter's grad. Token ids have no gradient: returns None."""
+        self.encode_backward(self.decode_backward(grad_logits))
+
+    # -- embeddings ---------------------------------------------------------------------------------------------
+    def _embed(self, tokens: np.ndarray, embed: Embedding, pos: Module, drop: Dropout) -> np.ndarray:
+        x = embed(tokens) * math.sqrt(self.d_model)  # (B, T, d); the python float keeps float32 float32
+        return drop(pos(x))  # + positions, then dropout (section 5.4: "to the sums of the embeddings and ...")
+
+    def _embed_backward(self, grad_out: np.ndarray, embed: Embedding, pos: Module, drop: Dropout) -> None:
+        dx = pos.backward(drop.backward(grad_out))
+        embed.backward(dx * math.sqrt(self.d_model))
+
+    # -- checks and inspection ----------------------------------------------------------------------------------
+    def _check_tokens(self, arg: str, tokens, vocab_size: int) -> None:
+        check_indices(f"Transformer: {arg}", tokens, vocab_size)
+        if tokens.ndim != 2 or tokens.shape[1] < 1:
+            raise ValueError(f"Transformer: {arg} expected shape (B, T) with T >= 1, got {tokens.shape}")
+        if tokens.shape[1] > self.max_len:
+            raise ValueError(f"Transformer: {arg} has length {tokens.shape[1]}, more than max_len={self.max_len}")
+
+    def attention_weights(self) -> dict[str, list[np.ndarray]]:
+        """The last forward's attention weights, one (B, H, Tq, Tk) array per layer:
+        {"encoder": self-attention (S, S), "decoder": masked self-attention (T, T), "cross": (T, S)}."""
+        return {
+            "encoder": self.encoder.attention_weights(),
+            "decoder": self.decoder.attention_weights("self"),
+            "cross": self.decoder.attention_weights("cross"),
+        }
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return ", ".join(f"{k}={c[k]!r}" for k in ("norm_first", "positional", "share_embeddings", "tie_output"))
+
+
+def _check_config(owner: str, c: dict) -> dict:
+    """Validate the constructor's arguments before anything is allocated; messages name the argument."""
+    _check_positive(owner, **{k: c[k] for k in ("src_vocab_size", "tgt_vocab_size", "d_model", "n_heads", "d_ff",
+                                                "n_layers", "max_len")})  # fmt: skip
+    if c["d_model"] % c["n_heads"]:
+        raise ValueError(f"{owner}: d_model={c['d_model']} must be divisible by n_heads={c['n_heads']}")
+    if c["positional"] not in POSITIONAL:
+        raise ValueError(f"{owner}: positional must be one of {POSITIONAL}, got {c['positional']!r}")
+    if c["positional"] == "sinusoidal" and c["d_model"] % 2:
+        raise ValueError(f"{owner}: sinusoidal positions need an even d_model, got d_model={c['d_model']}")
+    check_probability(owner, "dropout", c["dropout"], allow_one=False)
+    check_activation(owner, c["activation"])
+    for arg in ("norm_first", "share_embeddings", "tie_output"):
+        _check_bool(owner, arg, c[arg])
+    if c["final_norm"] is not None:
+        _check_bool(owner, "final_norm", c["final_norm"])
+    if c["share_embeddings"] and c["src_vocab_size"] != c["tgt_vocab_size"]:
+        raise ValueError(
+            f"{owner}: share_embeddings=True needs one vocabulary, got src_vocab_size={c['src_vocab_size']} "
+            f"and tgt_vocab_size={c['tgt_vocab_size']}"
+        )
+    pad, n = c["pad_id"], min(c["src_vocab_size"], c["tgt_vocab_size"])
+    if isinstance(pad, bool) or not isinstance(pad, (int, np.integer)) or not 0 <= pad < n:
+        raise ValueError(f"{owner}: pad_id must be an int in [0, {n}) (a token of both vocabularies), got {pad!r}")
+    return dict(c)

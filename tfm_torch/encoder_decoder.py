@@ -1,0 +1,235 @@
+"""Encoder and decoder layers and their stacks, PyTorch track: the same names, arguments and state_dict keys as
+tfm_numpy.encoder_decoder; autograd does the backward.
+
+    norm_first=False (Post-LN, the paper):  x = norm(x + dropout(sublayer(x)))
+    norm_first=True  (Pre-LN):              x = x + dropout(sublayer(norm(x)))
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .attention import MultiHeadAttention
+from .layers import Dropout, LayerNorm
+from .module import as_generator, check_dtype, check_input
+from .sublayers import PositionwiseFeedForward, check_activation
+
+__all__ = ["EncoderLayer", "DecoderLayer", "Encoder", "Decoder"]
+
+
+def _check_bool(owner: str, arg: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{owner}: {arg} expected True or False, got {value!r}")
+    return value
+
+
+def _check_positive(owner: str, **sizes) -> None:
+    for arg, n in sizes.items():
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"{owner}: {arg} must be a positive int, got {n!r}")
+
+
+def _check_x(name: str, x, norm: LayerNorm) -> None:
+    """A (B, T, d_model) float tensor of the parameters' dtype (read off a LayerNorm of the layer)."""
+    check_input(name, x, ndim_min=3, last_dim=norm.normalized_shape[0], dtype=norm.weight.dtype)
+    if x.dim() != 3:
+        raise ValueError(f"{name}: expected shape (B, T, d_model), got {tuple(x.shape)}")
+
+
+class _Counted(nn.Module):
+    def num_parameters(self) -> int:
+        """Unique parameters (a tied one counted once), as tfm_numpy's Module.num_parameters."""
+        return sum(p.numel() for p in self.parameters())
+
+
+class EncoderLayer(_Counted):
+    """Self-attention, then feed-forward, each in a residual connection with a LayerNorm (twin of tfm_numpy's)."""
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        d_ff: int,
+        dropout: float = 0.1,
+        activation: str = "relu",
+        norm_first: bool = False,
+        *,
+        rng=None,
+        dtype=None,
+    ):
+        super().__init__()
+        _check_positive("EncoderLayer", d_model=d_model, n_heads=n_heads, d_ff=d_ff)
+        check_activation("EncoderLayer", activation)
+        self.norm_first = _check_bool("EncoderLayer", "norm_first", norm_first)
+        dt, g = check_dtype(dtype), as_generator(rng)
+        self.self_attn = MultiHeadAttention(d_model, n_heads, dropout, rng=g, dtype=dt)
+        self.ff = PositionwiseFeedForward(d_model, d_ff, dropout, activation, rng=g, dtype=dt)
+        self.norm1 = LayerNorm(d_model, dtype=dt)
+        self.norm2 = LayerNorm(d_model, dtype=dt)
+        self.dropout1 = Dropout(dropout, rng=g)
+        self.dropout2 = Dropout(dropout, rng=g)
+
+    def forward(self, x: torch.Tensor, src_mask: torch.Tensor | None = None) -> torch.Tensor:
+        _check_x("EncoderLayer: x", x, self.norm1)
+        if self.norm_first:
+            x = x + self._sa_block(self.norm1(x), src_mask)
+            x = x + self._ff_block(self.norm2(x))
+        else:
+            x = self.norm1(x + self._sa_block(x, src_mask))
+            x = self.norm2(x + self._ff_block(x))
+        return x  # (B, S, d)
+
+    def _sa_block(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        return self.dropout1(self.self_attn(x, x, x, mask))
+
+    def _ff_block(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout2(self.ff(x))
+
+    def extra_repr(self) -> str:
+        return f"norm_first={self.norm_first}"
+
+
+class DecoderLayer(_Counted):
+    """Masked self-attention, cross-attention to `memory`, feed-forward; each in a residual connection with a
+    LayerNorm (twin of tfm_numpy's)."""
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        d_ff: int,
+        dropout: float = 0.1,
+        activation: str = "relu",
+        norm_first: bool = False,
+        *,
+        rng=None,
+        dtype=None,
+    ):
+        super().__init__()
+        _check_positive("DecoderLayer", d_model=d_model, n_heads=n_heads, d_ff=d_ff)
+        check_activation("DecoderLayer", activation)
+        self.norm_first = _check_bool("DecoderLayer", "norm_first", norm_first)
+        dt, g = check_dtype(dtype), as_generator(rng)
+        self.self_attn = MultiHeadAttention(d_model, n_heads, dropout, rng=g, dtype=dt)
+        self.cross_attn = MultiHeadAttention(d_model, n_heads, dropout, rng=g, dtype=dt)
+        self.ff = PositionwiseFeedForward(d_model, d_ff, dropout, activation, rng=g, dtype=dt)
+        self.norm1 = LayerNorm(d_model, dtype=dt)
+        self.norm2 = LayerNorm(d_model, dtype=dt)
+        self.norm3 = LayerNorm(d_model, dtype=dt)
+        self.dropout1 = Dropout(dropout, rng=g)
+        self.dropout2 = Dropout(dropout, rng=g)
+        self.dropout3 = Dropout(dropout, rng=g)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        memory: torch.Tensor,
+        tgt_mask: torch.Tensor | None = None,
+        memory_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        _check_x("DecoderLayer: x", x, self.norm1)
+        _check_x("DecoderLayer: memory", memory, self.norm1)
+        if self.norm_first:
+            x = x + self._sa_block(self.norm1(x), tgt_mask)
+            x = x + self._mha_block(self.norm2(x), memory, memory_mask)
+            x = x + self._ff_block(self.norm3(x))
+        else:
+            x = self.norm1(x + self._sa_block(x, tgt_mask))
+            x = self.norm2(x + self._mha_block(x, memory, memory_mask))
+            x = self.norm3(x + self._ff_block(x))
+        return x  # (B, T, d)
+
+    def _sa_block(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        return self.dropout1(self.self_attn(x, x, x, mask))
+
+    def _mha_block(self, x: torch.Tensor, memory: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        return self.dropout2(self.cross_attn(x, memory, memory, mask))  # queries x, keys and values memory
+
+    def _ff_block(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout3(self.ff(x))
+
+    def extra_repr(self) -> str:
+        return f"norm_first={self.norm_first}"
+
+
+class Encoder(_Counted):
+    """`n_layers` EncoderLayers (`layers.0`, ...), then `norm` if final_norm (None: as norm_first)."""
+
+    def __init__(
+        self,
+        n_layers: int,
+        d_model: int,
+        n_heads: int,
+        d_ff: int,
+        dropout: float = 0.1,
+        activation: str = "relu",
+        norm_first: bool = False,
+        final_norm: bool | None = None,
+        *,
+        rng=None,
+        dtype=None,
+    ):
+        super().__init__()
+        _check_positive("Encoder", n_layers=n_layers)
+        final_norm = _check_bool("Encoder", "final_norm", norm_first if final_norm is None else final_norm)
+        dt, g = check_dtype(dtype), as_generator(rng)
+        self.layers = nn.ModuleList(
+            EncoderLayer(d_model, n_heads, d_ff, dropout, activation, norm_first, rng=g, dtype=dt)
+            for _ in range(n_layers)
+        )
+        self.norm = LayerNorm(d_model, dtype=dt) if final_norm else None
+
+    def forward(self, x: torch.Tensor, src_mask: torch.Tensor | None = None) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x, src_mask)  # (B, S, d)
+        return self.norm(x) if self.norm is not None else x
+
+    def attention_weights(self) -> list[torch.Tensor]:
+        """[(B, H, S, S) per layer]: the self-attention weights of the last forward (detached)."""
+        return [layer.self_attn.attn_weights for layer in self.layers]
+
+
+class Decoder(_Counted):
+    """`n_layers` DecoderLayers, every one attending to the same `memory`, then `norm` if final_norm."""
+
+    def __init__(
+        self,
+        n_layers: int,
+        d_model: int,
+        n_heads: int,
+        d_ff: int,
+        dropout: float = 0.1,
+        activation: str = "relu",
+        norm_first: bool = False,
+        final_norm: bool | None = None,
+        *,
+        rng=None,
+        dtype=None,
+    ):
+        super().__init__()
+        _check_positive("Decoder", n_layers=n_layers)
+        final_norm = _check_bool("Decoder", "final_norm", norm_first if final_norm is None else final_norm)
+        dt, g = check_dtype(dtype), as_generator(rng)
+        self.layers = nn.ModuleList(
+            DecoderLayer(d_model, n_heads, d_ff, dropout, activation, norm_first, rng=g, dtype=dt)
+            for _ in range(n_layers)
+        )
+        self.norm = LayerNorm(d_model, dtype=dt) if final_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        memory: torch.Tensor,
+        tgt_mask: torch.Tensor | None = None,
+        memory_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x, memory, tgt_mask, memory_mask)  # (B, T, d)
+        return self.norm(x) if self.norm is not None else x
+
+    def attention_weights(self, kind: str = "self") -> list[torch.Tensor]:
+        """[(B, H, T, T) per layer] for kind="self", [(B, H, T, S) per layer] for kind="cross"."""
+        if kind not in ("self", "cross"):
+            raise ValueError(f"Decoder.attention_weights: kind must be 'self' or 'cross', got {kind!r}")
+        return [(layer.self_attn if kind == "self" else layer.cross_attn).attn_weights for layer in self.layers]

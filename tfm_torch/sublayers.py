@@ -1,0 +1,46 @@
+"""The position-wise feed-forward sublayer, PyTorch track: the same names, arguments and state_dict keys as
+tfm_numpy.sublayers."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .layers import GELU, Dropout, Linear, ReLU
+from .module import as_generator, check_dtype
+
+__all__ = ["ACTIVATIONS", "PositionwiseFeedForward"]
+
+ACTIVATIONS = ("relu", "gelu")  # the two that torch.nn.TransformerEncoderLayer accepts by name (gelu: exact)
+
+
+def check_activation(owner: str, name) -> str:
+    """The activation's name, validated; `owner` names the layer in the error message."""
+    if name not in ACTIVATIONS:
+        raise ValueError(f"{owner}: activation must be one of {ACTIVATIONS}, got {name!r}")
+    return name
+
+
+class PositionwiseFeedForward(nn.Module):
+    """FFN(x) = linear2(dropout(activation(linear1(x)))): d_model -> d_ff -> d_model at every position alone."""
+
+    def __init__(
+        self, d_model: int, d_ff: int, dropout: float = 0.1, activation: str = "relu", *, rng=None, dtype=None
+    ):
+        super().__init__()
+        dt, g = check_dtype(dtype), as_generator(rng)
+        self.d_model, self.d_ff, self.activation_name = d_model, d_ff, activation
+        self.linear1 = Linear(d_model, d_ff, rng=g, dtype=dt)  # (d_ff, d_model)
+        self.activation = ReLU() if check_activation("PositionwiseFeedForward", activation) == "relu" else GELU()
+        self.dropout = Dropout(dropout, rng=g)
+        self.linear2 = Linear(d_ff, d_model, rng=g, dtype=dt)  # (d_model, d_ff)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.activation(self.linear1(x))  # (B, T, d_ff)
+        return self.linear2(self.dropout(h))  # (B, T, d_model)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def extra_repr(self) -> str:
+        return f"d_model={self.d_model}, d_ff={self.d_ff}, activation={self.activation_name!r}"
