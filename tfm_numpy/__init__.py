@@ -1,6 +1,7 @@
 """tfm_numpy: the Transformer in pure NumPy, every layer with a hand-written backward. Never imports torch."""
 
 from .attention import *  # noqa: F403
+from .checkpoint import *  # noqa: F403
 from .encoder_decoder import *  # noqa: F403
 from .functional import *  # noqa: F403
 from .gradcheck import *  # noqa: F403
@@ -9,6 +10,7 @@ from .loss import *  # noqa: F403
 from .module import Module as Module
 from .module import ModuleList as ModuleList
 from .module import Parameter as Parameter
+from .optim import *  # noqa: F403
 from .positional import *  # noqa: F403
 from .sublayers import *  # noqa: F403
 from .transformer import *  # noqa: F403

@@ -1,11 +1,13 @@
 """tfm_torch: the PyTorch twin of tfm_numpy: same class names, constructor arguments and state_dict keys."""
 
 from .attention import *  # noqa: F403
+from .checkpoint import *  # noqa: F403
 from .encoder_decoder import *  # noqa: F403
 from .functional import *  # noqa: F403
 from .gradcheck import *  # noqa: F403
 from .layers import *  # noqa: F403
 from .loss import *  # noqa: F403
+from .optim import *  # noqa: F403
 from .positional import *  # noqa: F403
 from .sublayers import *  # noqa: F403
 from .transformer import *  # noqa: F403

@@ -1,0 +1,224 @@
+"""Optimization, NumPy track: Adam, the warm-up schedule of the paper, gradient clipping by global norm.
+
+Adam (Kingma & Ba, 2015), as `torch.optim.Adam` computes it, for each parameter p with gradient g at step t:
+
+    g   <- g + weight_decay * p                       (L2 penalty added to the gradient; 0 in the paper)
+    m   <- beta1 m + (1 - beta1) g                    first moment (running mean of g)
+    v   <- beta2 v + (1 - beta2) g^2                  second moment (running mean of g^2)
+    p   <- p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+
+The two factors 1 / (1 - beta^t) correct the bias of m and v towards their zero start ("bias correction").
+The defaults are the paper's (Vaswani et al., 2017, section 5.3): betas = (0.9, 0.98), eps = 1e-9.
+Everything is updated in place and in the parameters' dtype (float32 stays float32).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Iterable
+
+import numpy as np
+
+from .module import Module, Parameter
+
+__all__ = ["Adam", "make_adam", "set_lr", "noam_lr", "clip_grad_norm"]
+
+
+def _param_list(params, name: str) -> list[Parameter]:
+    """A list of distinct Parameters from a Module, a list of Parameters or `model.parameters()`."""
+    if isinstance(params, Module):
+        params = params.parameters()
+    if isinstance(params, Parameter):
+        raise TypeError(f"{name}: params expected an iterable of Parameters, got one Parameter (wrap it in a list)")
+    params = list(params)
+    for i, p in enumerate(params):
+        if not isinstance(p, Parameter):
+            raise TypeError(f"{name}: params[{i}] expected a tfm_numpy Parameter, got {type(p).__name__}")
+    if len({id(p) for p in params}) != len(params):
+        raise ValueError(f"{name}: params contains the same Parameter twice (it would be updated twice per step)")
+    return params
+
+
+def _check_real(name: str, arg: str, value, low: float, high: float | None = None, high_open=True) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: {arg} expected a float, got {type(value).__name__}")
+    ok = low <= value and (high is None or (value < high if high_open else value <= high)) and math.isfinite(value)
+    if not ok:
+        bound = f"[{low}, {high})" if high is not None else f">= {low} and finite"
+        raise ValueError(f"{name}: {arg} must be {'in ' if high is not None else ''}{bound}, got {value}")
+    return float(value)
+
+
+def _check_hyper(name: str, lr, betas, eps, weight_decay) -> tuple[float, tuple[float, float], float, float]:
+    lr = _check_real(name, "lr", lr, 0.0)
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"{name}: betas expected a pair (beta1, beta2), got {betas!r}")
+    betas = tuple(_check_real(name, f"betas[{i}]", b, 0.0, 1.0) for i, b in enumerate(betas))
+    return lr, betas, _check_real(name, "eps", eps, 0.0), _check_real(name, "weight_decay", weight_decay, 0.0)
+
+
+class Adam:
+    """Adam over a list of Parameters, matching `torch.optim.Adam` step for step.
+
+    `lr` may be changed between steps (a schedule sets it: `opt.lr = noam_lr(...)`). `step_count` is the
+    number of steps taken (t of the formula, 1 at the first step). `state_dict()` / `load_state_dict()` carry
+    the step count, the hyperparameters and the moments `exp_avg` (m) and `exp_avg_sq` (v), named as torch does.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.98), eps: float = 1e-9, weight_decay: float = 0.0):
+        self.params = _param_list(params, "Adam")
+        if not self.params:
+            raise ValueError("Adam: params is empty: nothing to optimize")
+        self.lr, self.betas, self.eps, self.weight_decay = _check_hyper("Adam", lr, betas, eps, weight_decay)
+        self.step_count = 0
+        self.exp_avg = [np.zeros_like(p.data) for p in self.params]
+        self.exp_avg_sq = [np.zeros_like(p.data) for p in self.params]
+
+    @property
+    def lr(self) -> float:
+        return self._lr
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        self._lr = _check_real("Adam", "lr", value, 0.0)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad[...] = 0
+
+    def step(self) -> None:
+        """One update of every parameter from its `.grad`, in place."""
+        for i, p in enumerate(self.params):  # check every parameter before changing any
+            if p.grad.shape != p.data.shape or p.grad.dtype != p.data.dtype:
+                raise ValueError(
+                    f"Adam.step: params[{i}] has data {p.data.shape} {p.data.dtype} but grad {p.grad.shape} "
+                    f"{p.grad.dtype} (was the model converted after the optimizer was made?)"
+                )
+            if self.exp_avg[i].dtype != p.data.dtype:
+                raise ValueError(
+                    f"Adam.step: params[{i}] is {p.data.dtype} but its moments are {self.exp_avg[i].dtype}: "
+                    "make the optimizer after converting the model (astype/double/float)"
+                )
+        self.step_count += 1
+        t = self.step_count
+        beta1, beta2 = self.betas
+        step_size = self.lr / (1 - beta1**t)  # lr with the first moment's bias correction
+        bias_correction2_sqrt = (1 - beta2**t) ** 0.5
+        for p, m, v in zip(self.params, self.exp_avg, self.exp_avg_sq, strict=True):
+            g = p.grad
+            if self.weight_decay != 0:
+                g = g + self.weight_decay * p.data
+            _lerp_(m, g, 1 - beta1)  # m = beta1 m + (1 - beta1) g, computed as torch's lerp_
+            v *= beta2
+            v += (1 - beta2) * g * g
+            denom = np.sqrt(v) / bias_correction2_sqrt + self.eps
+            p.data -= step_size * m / denom
+
+    def state_dict(self) -> dict:
+        """Copies: {"step", "lr", "betas", "eps", "weight_decay", "exp_avg": [arrays], "exp_avg_sq": [arrays]}."""
+        return {
+            "step": self.step_count,
+            "lr": self.lr,
+            "betas": list(self.betas),
+            "eps": self.eps,
+            "weight_decay": self.weight_decay,
+            "exp_avg": [m.copy() for m in self.exp_avg],
+            "exp_avg_sq": [v.copy() for v in self.exp_avg_sq],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a `state_dict()` (hyperparameters included, as torch does); all checked before any change."""
+        keys = {"step", "lr", "betas", "eps", "weight_decay", "exp_avg", "exp_avg_sq"}
+        if not isinstance(state, dict) or set(state) != keys:
+            got = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise KeyError(f"Adam.load_state_dict: expected keys {sorted(keys)}, got {got}")
+        step = state["step"]
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+            raise ValueError(f"Adam.load_state_dict: step expected an int >= 0, got {step!r}")
+        moments = {}
+        for part in ("exp_avg", "exp_avg_sq"):
+            arrays = [np.asarray(a) for a in state[part]]
+            if len(arrays) != len(self.params):
+                raise ValueError(
+                    f"Adam.load_state_dict: {part}: {len(arrays)} arrays, the optimizer has {len(self.params)} params"
+                )
+            for i, (a, p) in enumerate(zip(arrays, self.params, strict=True)):
+                if a.shape != p.data.shape:
+                    raise ValueError(f"Adam.load_state_dict: {part}[{i}] expected shape {p.data.shape}, got {a.shape}")
+            moments[part] = arrays
+        hyper = _check_hyper("Adam.load_state_dict", state["lr"], state["betas"], state["eps"], state["weight_decay"])
+        self.lr, self.betas, self.eps, self.weight_decay = hyper
+        self.step_count = int(step)
+        self.exp_avg = [a.astype(p.data.dtype, copy=True) for a, p in zip(moments["exp_avg"], self.params, strict=True)]
+        self.exp_avg_sq = [
+            a.astype(p.data.dtype, copy=True) for a, p in zip(moments["exp_avg_sq"], self.params, strict=True)
+        ]
+
+    def __repr__(self) -> str:
+        return (
+            f"Adam(lr={self.lr:g}, betas={self.betas}, eps={self.eps:g}, weight_decay={self.weight_decay:g}, "
+            f"params={len(self.params)}, step_count={self.step_count})"
+        )
+
+
+def _lerp_(start: np.ndarray, end: np.ndarray, weight: float) -> None:
+    """start += weight * (end - start) in place, with the two formulas of torch.lerp (exact at both ends)."""
+    if abs(weight) < 0.5:
+        start += weight * (end - start)
+    else:
+        start[...] = end - (end - start) * (1 - weight)
+
+
+def make_adam(model: Module, lr: float = 1e-3, betas=(0.9, 0.98), eps: float = 1e-9, weight_decay: float = 0.0):
+    """`Adam(model.parameters(), ...)`: the same call in both tracks."""
+    return Adam(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+
+def set_lr(optimizer: Adam, lr: float) -> None:
+    """Set the learning rate for the next step (the torch track sets every param group's "lr")."""
+    optimizer.lr = lr
+
+
+def noam_lr(step: int, d_model: int, warmup: int, factor: float = 1.0) -> float:
+    """The learning rate of "Attention Is All You Need" (Vaswani et al., 2017, section 5.3, equation 3):
+
+        lr = factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)
+
+    It rises linearly for `warmup` steps, peaks at step = warmup with d_model^-0.5 * warmup^-0.5, then decays as
+    step^-0.5. `step` counts updates from 1 (the number of the update about to be made, as Adam's t); step 0
+    is an error, not a silent lr of 0. Pure Python math: the torch track has the identical function.
+    """
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral):
+        raise TypeError(f"noam_lr: step expected an int, got {type(step).__name__}")
+    if step < 1:
+        raise ValueError(f"noam_lr: step counts from 1 (the first update), got {step}")
+    for arg, value in (("d_model", d_model), ("warmup", warmup)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"noam_lr: {arg} expected an int, got {type(value).__name__}")
+        if value < 1:
+            raise ValueError(f"noam_lr: {arg} must be >= 1, got {value}")
+    if isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not factor > 0 or math.isinf(factor):
+        raise ValueError(f"noam_lr: factor must be a positive finite float, got {factor!r}")
+    step, d_model, warmup = int(step), int(d_model), int(warmup)
+    return float(factor) * d_model**-0.5 * min(step**-0.5, step * warmup**-1.5)
+
+
+def clip_grad_norm(params: Iterable[Parameter], max_norm: float) -> float:
+    """Scale every gradient in place so that their global L2 norm is at most `max_norm`; return the norm before.
+
+    As `torch.nn.utils.clip_grad_norm_`: total = ||(||g_1||, ..., ||g_n||)||_2 (the norm of all gradients seen
+    as one vector); each g is multiplied by min(max_norm / (total + 1e-6), 1). Below the threshold the
+    gradients are untouched.
+    """
+    params = _param_list(params, "clip_grad_norm")
+    max_norm = _check_real("clip_grad_norm", "max_norm", max_norm, 0.0)
+    if not params:
+        return 0.0
+    norms = np.array([np.sqrt(np.sum(p.grad * p.grad)) for p in params])
+    total = float(np.sqrt(np.sum(norms * norms)))
+    coef = max_norm / (total + 1e-6)
+    if not coef >= 1.0:  # scales down, and spreads a nan norm to the gradients as torch does
+        for p in params:
+            p.grad *= coef
+    return total

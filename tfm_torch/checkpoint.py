@@ -1,0 +1,215 @@
+"""Checkpoints, PyTorch track: the same function names as tfm_numpy.checkpoint, plus the bridge between tracks.
+
+- `save_checkpoint(path, model, optimizer, extra)` writes `{"format", "version", "model": state_dict,
+  "optim": optimizer.state_dict(), "extra": ...}` with `torch.save`; `load_checkpoint` reads it with
+  `torch.load(..., weights_only=True)`, which unpickles only tensors and plain containers, never code.
+- Across tracks: `export_npz(path, model, optimizer)` writes the NumPy track's `.npz` format (see
+  `tfm_common.npz_checkpoint`) from a torch model, for `tfm_numpy.load_checkpoint`; and `load_checkpoint`
+  also reads an `.npz` written by `tfm_numpy.save_checkpoint` (with numpy, `allow_pickle=False`). The file's
+  content decides, not its suffix. The design keeps every conversion on the torch side: the NumPy track
+  never imports torch and never unpickles.
+
+Optimizer state crosses tracks too, for `Adam` with one param group (our `Adam` or `torch.optim.Adam`,
+amsgrad off): the moments are matched by position in the optimizer's parameter list, which is the model's
+`parameters()` order when the optimizer comes from `make_adam` in either track.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from tfm_common.npz_checkpoint import (
+    FORMAT,
+    VERSION,
+    atomic_write,
+    check_state,
+    normalize_extra,
+    read_npz,
+    write_npz,
+    zip_kind,
+)
+
+__all__ = ["save_checkpoint", "load_checkpoint", "export_npz"]
+
+
+def _check_args(name: str, model, optimizer) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{name}: model expected a torch.nn.Module, got {type(model).__name__}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"{name}: optimizer expected a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+
+
+def save_checkpoint(path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, extra=None) -> Path:
+    """Write the model's state dict (and the optimizer's, and `extra`: a JSON-able dict) with `torch.save`,
+    atomically (a temporary file renamed over `path`). Returns the path."""
+    name = "save_checkpoint"
+    _check_args(name, model, optimizer)
+    ckpt = {
+        "format": FORMAT,
+        "version": VERSION,
+        "track": "torch",
+        "model": model.state_dict(),
+        "optim": optimizer.state_dict() if optimizer is not None else None,
+        "extra": normalize_extra(extra, name),
+    }
+    return atomic_write(path, lambda f: torch.save(ckpt, f), name)
+
+
+def load_checkpoint(path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
+    """Load a checkpoint of either track into `model` (and `optimizer`); return its `extra` dict.
+
+    A torch file is read with `weights_only=True`; an `.npz` (from `tfm_numpy.save_checkpoint` or `export_npz`)
+    with numpy, `allow_pickle=False`. Everything is checked before anything changes: a missing or unexpected key
+    raises KeyError naming it, a shape mismatch ValueError naming the key and both shapes, a damaged file
+    ValueError. Values are cast to the model's dtype; the same dtype round-trips bit for bit.
+    """
+    name = "load_checkpoint"
+    _check_args(name, model, optimizer)
+    if not os.path.isfile(os.fspath(path)):
+        raise FileNotFoundError(f"{name}: no such checkpoint file {os.fspath(path)!r}")
+    if zip_kind(path) == "npz":
+        state_np, optim_np, extra = read_npz(path, name)
+        state = {k: torch.from_numpy(v) for k, v in state_np.items()}
+        optim_sd = None
+        if optimizer is not None:
+            if optim_np is None:
+                raise KeyError(f"{name}: {os.fspath(path)!r} holds no optimizer state (saved without an optimizer)")
+            optim_sd = _adam_from_numpy(optimizer, optim_np, name)
+    else:
+        state, optim_sd, extra = _read_torch(path, name)
+        if optimizer is not None and optim_sd is None:
+            raise KeyError(f"{name}: {os.fspath(path)!r} holds no optimizer state (saved without an optimizer)")
+    own = model.state_dict()
+    check_state({k: tuple(v.shape) for k, v in own.items()}, {k: tuple(v.shape) for k, v in state.items()}, name)
+    for k, v in state.items():
+        if not torch.is_tensor(v) or not v.is_floating_point():
+            raise TypeError(f"{name}: model key '{k}' holds {getattr(v, 'dtype', type(v).__name__)}, expected floats")
+    if optimizer is not None:
+        _check_optim_state(optimizer, optim_sd, name)
+        optimizer.load_state_dict(optim_sd)
+    model.load_state_dict(state)  # keys and shapes were checked above: this cannot fail half-way
+    return extra
+
+
+def export_npz(path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, extra=None) -> Path:
+    """Write the torch model (and Adam's state) in the NumPy track's `.npz` format, for `tfm_numpy.load_checkpoint`
+    (or this track's `load_checkpoint`). The arrays are the tensors' exact values."""
+    name = "export_npz"
+    _check_args(name, model, optimizer)
+    state = {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
+    optim = _adam_to_numpy(optimizer, name) if optimizer is not None else None
+    return write_npz(path, state, optim, extra, track="torch", name=name)
+
+
+# -- torch files -----------------------------------------------------------------------------------------------
+
+
+def _read_torch(path, name: str):
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated zip, corrupted records, or a pickle that weights_only refuses
+        raise ValueError(
+            f"{name}: cannot read {os.fspath(path)!r} as a torch checkpoint (truncated, corrupted, or not saved by "
+            f"save_checkpoint?): {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        ) from e
+    if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
+        raise ValueError(f"{name}: {os.fspath(path)!r} is not a {FORMAT} file (written by save_checkpoint)")
+    if ckpt.get("version") != VERSION:
+        raise ValueError(
+            f"{name}: {os.fspath(path)!r}: format version {ckpt.get('version')!r}, this code reads {VERSION}"
+        )
+    missing = [k for k in ("model", "optim", "extra") if k not in ckpt]
+    if missing:
+        raise KeyError(f"{name}: {os.fspath(path)!r}: entries missing from the checkpoint: {missing}")
+    if not isinstance(ckpt["model"], dict):
+        raise ValueError(f"{name}: {os.fspath(path)!r}: 'model' is a {type(ckpt['model']).__name__}, not a state dict")
+    return ckpt["model"], ckpt["optim"], ckpt["extra"] or {}
+
+
+def _check_optim_state(optimizer: torch.optim.Optimizer, sd, name: str) -> None:
+    """torch's own `load_state_dict` checks the group sizes but not the moments' shapes: check them here."""
+    if not isinstance(sd, dict) or set(sd) != {"state", "param_groups"}:
+        raise KeyError(f"{name}: the optimizer state must have keys ['param_groups', 'state'], got {sorted(sd)}")
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    sizes = [len(g["params"]) for g in sd["param_groups"]]
+    if sizes != [len(g["params"]) for g in optimizer.param_groups]:
+        raise ValueError(
+            f"{name}: the optimizer has param groups of sizes {[len(g['params']) for g in optimizer.param_groups]}, "
+            f"the checkpoint {sizes}"
+        )
+    for i, st in sd["state"].items():
+        if not 0 <= int(i) < len(params):
+            raise KeyError(f"{name}: optimizer state for parameter {i}, but the optimizer has {len(params)}")
+        for key, value in st.items():
+            if torch.is_tensor(value) and value.dim() > 0 and tuple(value.shape) != tuple(params[int(i)].shape):
+                raise ValueError(
+                    f"{name}: optimizer state '{key}' of parameter {i} expected shape {tuple(params[int(i)].shape)}, "
+                    f"got {tuple(value.shape)}"
+                )
+
+
+# -- Adam state between the tracks -------------------------------------------------------------------------------
+
+
+def _check_adam(optimizer, name: str) -> list:
+    if not isinstance(optimizer, torch.optim.Adam) or len(optimizer.param_groups) != 1:
+        raise TypeError(f"{name}: only Adam with one param group converts to the NumPy track's optimizer state")
+    group = optimizer.param_groups[0]
+    if group.get("amsgrad") or group.get("maximize") or group.get("decoupled_weight_decay"):
+        raise ValueError(f"{name}: Adam with amsgrad, maximize or decoupled weight decay has no NumPy twin")
+    return group["params"]
+
+
+def _adam_to_numpy(optimizer, name: str) -> dict:
+    """A torch Adam's state in the NumPy track's form (`tfm_numpy.Adam.state_dict()`)."""
+    params = _check_adam(optimizer, name)
+    group = optimizer.param_groups[0]
+    steps = {int(optimizer.state[p]["step"]) for p in params if "step" in optimizer.state[p]}
+    if len(steps) > 1:
+        raise ValueError(f"{name}: the parameters have different step counts {sorted(steps)}; cannot export")
+    if steps and any("step" not in optimizer.state[p] for p in params):
+        raise ValueError(f"{name}: some parameters have no optimizer state (no gradient yet); cannot export")
+
+    def moment(p, key):
+        st = optimizer.state[p]
+        return st[key].detach().cpu().numpy().copy() if key in st else np.zeros(tuple(p.shape), _np_dtype(p))
+
+    return {
+        "step": steps.pop() if steps else 0,
+        "lr": float(group["lr"]),
+        "betas": [float(b) for b in group["betas"]],
+        "eps": float(group["eps"]),
+        "weight_decay": float(group["weight_decay"]),
+        "exp_avg": [moment(p, "exp_avg") for p in params],
+        "exp_avg_sq": [moment(p, "exp_avg_sq") for p in params],
+    }
+
+
+def _adam_from_numpy(optimizer, optim: dict, name: str) -> dict:
+    """The NumPy track's Adam state as a torch `Adam.state_dict()` for `optimizer` (shapes checked later)."""
+    params = _check_adam(optimizer, name)
+    n = len(optim["exp_avg"])
+    if n != len(params):
+        raise ValueError(f"{name}: the checkpoint's optimizer has {n} parameters, this optimizer {len(params)}")
+    sd = optimizer.state_dict()
+    sd["param_groups"][0].update(
+        lr=optim["lr"], betas=tuple(optim["betas"]), eps=optim["eps"], weight_decay=optim["weight_decay"]
+    )
+    sd["state"] = {}
+    if optim["step"] > 0:
+        for i in range(n):
+            sd["state"][i] = {
+                "step": torch.tensor(float(optim["step"]), dtype=torch.float32),
+                "exp_avg": torch.from_numpy(np.array(optim["exp_avg"][i])),
+                "exp_avg_sq": torch.from_numpy(np.array(optim["exp_avg_sq"][i])),
+            }
+    return sd
+
+
+def _np_dtype(p: torch.Tensor):
+    return {torch.float32: np.float32, torch.float64: np.float64}.get(p.dtype, np.float32)
