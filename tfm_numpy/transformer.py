@@ -70,11 +70,14 @@ class Transformer(Module):
     their layer's default, LayerNorms start at 1 and 0. Token embeddings are N(0, 1/d_model), as in
     tensor2tensor and fairseq: times sqrt(d_model) they have unit variance, the scale of the positional
     encodings they are added to, whatever the vocabulary size (Xavier would make them shrink with it).
-    The padding row starts at zero. A learned positional table is N(0, 1).
+    The padding row starts at zero and its lookups add no gradient (torch's padding_idx rule); with tie_output the
+    output projection's use (the logit of the pad token) still does, so the row moves in training. That is harmless:
+    padded positions are masked as keys and ignored by the loss. A learned positional table is N(0, 1).
 
     `encode(src)` and `decode(tgt_in, memory, src_mask)` run the two halves (decoding calls them separately);
     `backward(dlogits)` after a forward fills every parameter's `.grad` (see `grads()`), and
-    `decode_backward` / `encode_backward` are the two halves of it.
+    `decode_backward` / `encode_backward` are the two halves of it. Every module caches its last forward only:
+    backward belongs to the most recent encode / decode.
     """
 
     def __init__(

@@ -214,9 +214,10 @@ class ReferenceTransformer(_Counted):
 
     Same constructor arguments as `Transformer`; `ref.transformer` is a plain `torch.nn.Transformer`
     (batch_first=True, norm_first as ours). torch.nn.Transformer always puts a LayerNorm after each stack;
-    ours has one only for Pre-LN (final_norm=None) and a LayerNorm with weight 1 and bias 0 is NOT the identity
-    (it normalizes), so the encoder and decoder are given as `custom_encoder=nn.TransformerEncoder(..., norm=None)`
-    and `custom_decoder=nn.TransformerDecoder(..., norm=None)` when ours has no final norm.
+    ours has one only for Pre-LN (final_norm=None), and a LayerNorm with weight 1 and bias 0 is NOT the identity
+    (it normalizes; it only looks like one at initialization, when the last layer's own LayerNorm, also at 1 and 0,
+    has just normalized). So the encoder and decoder are given as `custom_encoder=nn.TransformerEncoder(...,
+    norm=None)` and `custom_decoder=nn.TransformerDecoder(..., norm=None)` when ours has no final norm.
 
     forward(src, tgt_in) -> logits (B, T, V). Masks in torch's meaning: True = may NOT attend (the opposite of
     ours), built at this one boundary: `src == pad_id` as src_key_padding_mask and memory_key_padding_mask,
