@@ -137,9 +137,10 @@ def read_npz(path, name: str) -> tuple[dict, dict | None, dict]:
             "write an .npz from torch with tfm_torch.export_npz(path, model), or load it with tfm_torch.load_checkpoint"
         )
     try:
-        with np.load(path, allow_pickle=False) as z:
-            if not isinstance(z, np.lib.npyio.NpzFile):
-                raise ValueError("a single .npy array, not an .npz archive")
+        z = np.load(path, allow_pickle=False)
+        if not isinstance(z, np.lib.npyio.NpzFile):
+            raise ValueError("a single .npy array, not an .npz archive")
+        with z:
             arrays = {k: z[k] for k in z.files}
     except Exception as e:  # BadZipFile, CRC errors, EOFError, format errors, pickled data refused, ...
         raise ValueError(

@@ -114,8 +114,8 @@ def _read_torch(path, name: str):
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated zip, corrupted records, or a pickle that weights_only refuses
         raise ValueError(
-            f"{name}: cannot read {os.fspath(path)!r} as a torch checkpoint (truncated, corrupted, or not saved by "
-            f"save_checkpoint?): {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            f"{name}: cannot read {os.fspath(path)!r} as a checkpoint (a torch file or an .npz; truncated, corrupted, "
+            f"or not saved by save_checkpoint?): {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         ) from e
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise ValueError(f"{name}: {os.fspath(path)!r} is not a {FORMAT} file (written by save_checkpoint)")
