@@ -321,3 +321,25 @@ def test_the_books_one_liner_and_the_checkpoint_agree(tmp_path):
     tt.load_checkpoint(tmp_path / "c.npz", via_file)
     load_np_into_torch(src, via_memory)
     assert_same_state(t2n(via_file.state_dict()), t2n(via_memory.state_dict()))
+
+
+def test_a_transformer_moves_between_tracks_through_files(tmp_path):
+    """The real model on a real batch: NumPy -> .npz -> torch gives the same logits, and back through export_npz."""
+    from tfm_common import data as D
+
+    pairs = D.number_pairs([21, 345, 7, 1000])
+    src_vocab, tgt_vocab = D.Vocab.build(s for s, _ in pairs), D.Vocab.build(t for _, t in pairs)
+    (batch,) = D.make_batches(D.encode_pairs(pairs, src_vocab, tgt_vocab), 4, shuffle=False)
+    cfg = dict(d_model=8, n_heads=2, d_ff=16, n_layers=1, dropout=0.0, max_len=64, pad_id=D.PAD_ID)
+    np_tf = tn.Transformer(len(src_vocab), len(tgt_vocab), **cfg, rng=0, dtype=np.float64)
+    logits = np_tf(batch.src, batch.tgt_in)
+    tn.save_checkpoint(tmp_path / "tf.npz", np_tf, extra={"config": cfg, "tgt_vocab": tgt_vocab.to_dict()})
+    t_tf = tt.Transformer(len(src_vocab), len(tgt_vocab), **cfg, rng=1, dtype=torch.float64).eval()
+    extra = tt.load_checkpoint(tmp_path / "tf.npz", t_tf)
+    assert extra["config"] == cfg and D.Vocab.from_dict(extra["tgt_vocab"]) == tgt_vocab
+    t_logits = t_tf(torch.from_numpy(batch.src), torch.from_numpy(batch.tgt_in)).detach().numpy()
+    assert np.abs(t_logits - logits).max() < 1e-10
+    tt.export_npz(tmp_path / "back.npz", t_tf)
+    back = tn.Transformer(len(src_vocab), len(tgt_vocab), **cfg, rng=2, dtype=np.float64)
+    tn.load_checkpoint(tmp_path / "back.npz", back)
+    assert np.array_equal(back(batch.src, batch.tgt_in), logits)
