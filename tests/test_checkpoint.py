@@ -278,6 +278,19 @@ def test_foreign_files_give_a_clear_error(tmp_path, capsys):
     np.savez(tmp_path / "plain.npz", a=np.ones(3))
     with pytest.raises(ValueError, match="not a checkpoint: no '__meta__'"):
         tn.load_checkpoint(tmp_path / "plain.npz", np_model())
+    np.savez(tmp_path / "fake.npz", __meta__=np.array('{"format": "something else"}'))
+    with pytest.raises(ValueError, match="not a transformer-twice-checkpoint file .format 'something else'"):
+        tn.load_checkpoint(tmp_path / "fake.npz", np_model())
+    path = tn.save_checkpoint(tmp_path / "good.npz", np_model())
+    with np.load(path) as z:
+        entries = dict(z)
+    np.savez(tmp_path / "stray.npz", **entries, **{"model/extra.weight": np.ones(2)})
+    with pytest.raises(KeyError, match=r"not recorded \['extra.weight'\]"):
+        tn.load_checkpoint(tmp_path / "stray.npz", np_model())
+    del entries["model/out.bias"]
+    np.savez(tmp_path / "lacking.npz", **entries)
+    with pytest.raises(KeyError, match=r"missing \['out.bias'\]"):
+        tn.load_checkpoint(tmp_path / "lacking.npz", np_model())
     np.save(tmp_path / "single.npy", np.ones(3))
     with pytest.raises(ValueError, match="not an .npz archive"):
         tn.load_checkpoint(tmp_path / "single.npy", np_model())

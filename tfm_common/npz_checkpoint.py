@@ -153,12 +153,16 @@ def read_npz(path, name: str) -> tuple[dict, dict | None, dict]:
     except (ValueError, IndexError) as e:
         raise ValueError(f"{name}: {path!r}: '{META_KEY}' is not valid JSON: {e}") from e
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise ValueError(f"{name}: {path!r}: not a {FORMAT} file (format {meta.get('format')!r})")
+        got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise ValueError(f"{name}: {path!r}: not a {FORMAT} file (format {got!r})")
     if meta.get("version") != VERSION:
         raise ValueError(f"{name}: {path!r}: format version {meta.get('version')!r}, this code reads {VERSION}")
     model = {k[len("model/") :]: a for k, a in arrays.items() if k.startswith("model/")}
     optim = None
     if meta.get("optim") is not None:
+        absent = [k for k in (*OPTIM_SCALARS, "n_params") if k not in meta["optim"]]
+        if absent:
+            raise KeyError(f"{name}: {path!r}: optimizer scalars missing from '{META_KEY}': {absent}")
         n = meta["optim"]["n_params"]
         optim = {k: meta["optim"][k] for k in OPTIM_SCALARS}
         for part in ("exp_avg", "exp_avg_sq"):
