@@ -238,6 +238,26 @@ class MultiHeadAttention(Module):
         self._cache = (q, k, v, p, p_drop, query.shape)
         return self.out_proj(self._merge(ctx))  # (B, Tq, d)
 
+    def forward_step(self, query, key, value, cache: dict, mask=None, *, static: bool = False) -> np.ndarray:
+        """`forward` for incremental decoding (inference only: no backward), keeping keys and values in `cache`.
+
+        static=False (self-attention): key and value are the new positions only (B, Tn, d); their projections
+        are appended to cache["k"], cache["v"] (B, H, T, dk), and the queries attend to every position so far.
+        static=True (cross-attention): key and value are the same memory at every step, projected on the first
+        call only. `mask` covers all the keys so far, (B, 1, Tn, T) or (B, 1, 1, S).
+        """
+        self._check(query, key, value)
+        self._cache = None  # nothing for a backward: one after this step is an error, not a wrong gradient
+        if not (static and "k" in cache):
+            k = self._split(self.k_proj(key))  # (B, H, Tn, dk), or (B, H, S, dk) for the memory
+            v = self._split(self.v_proj(value))
+            if "k" in cache:  # self-attention: the earlier positions' keys and values, then the new ones
+                k, v = np.concatenate([cache["k"], k], axis=2), np.concatenate([cache["v"], v], axis=2)
+            cache["k"], cache["v"] = k, v
+        q = self._split(self.q_proj(query))  # (B, H, Tn, dk)
+        p = attention_weights(q, cache["k"], mask)  # (B, H, Tn, T)
+        return self.out_proj(self._merge(self.dropout(p) @ cache["v"]))  # (B, Tn, d)
+
     def backward(self, grad_out: np.ndarray):
         q, k, v, p, p_drop, out_shape = self._saved()
         check_grad("MultiHeadAttention", grad_out, out_shape, q.dtype)

@@ -178,6 +178,37 @@ class DecoderLayer(Module):
             x = self.norm3(x + self._ff_block(x))
         return x  # (B, T, d)
 
+    def forward_step(
+        self,
+        x: np.ndarray,
+        memory: np.ndarray,
+        cache: dict,
+        tgt_mask: np.ndarray | None = None,
+        memory_mask: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """`forward` for the new target positions x (B, Tn, d) only, the earlier ones' keys and values read from
+        `cache` (a dict, empty at the first step; inference only). tgt_mask (B, 1, Tn, T) covers all T positions
+        so far. The same sublayers as `forward`, with the attentions' `forward_step` (see MultiHeadAttention)."""
+        _check_x("DecoderLayer: x", x, self.norm1)
+        _check_x("DecoderLayer: memory", memory, self.norm1)
+        self._cache = None  # inference only: a backward after this is an error
+        sa, ca = cache.setdefault("self_attn", {}), cache.setdefault("cross_attn", {})
+        if self.norm_first:
+            x = x + self._sa_block_step(self.norm1(x), tgt_mask, sa)
+            x = x + self._mha_block_step(self.norm2(x), memory, memory_mask, ca)
+            x = x + self._ff_block(self.norm3(x))
+        else:
+            x = self.norm1(x + self._sa_block_step(x, tgt_mask, sa))
+            x = self.norm2(x + self._mha_block_step(x, memory, memory_mask, ca))
+            x = self.norm3(x + self._ff_block(x))
+        return x  # (B, Tn, d)
+
+    def _sa_block_step(self, x: np.ndarray, mask: np.ndarray | None, cache: dict) -> np.ndarray:
+        return self.dropout1(self.self_attn.forward_step(x, x, x, cache, mask))  # new keys/values appended
+
+    def _mha_block_step(self, x: np.ndarray, memory: np.ndarray, mask: np.ndarray | None, cache: dict) -> np.ndarray:
+        return self.dropout2(self.cross_attn.forward_step(x, memory, memory, cache, mask, static=True))  # once
+
     def backward(self, grad_out: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         check_grad("DecoderLayer", grad_out, *self._saved())
         dx = grad_out
@@ -308,6 +339,21 @@ class Decoder(Module):
     ) -> np.ndarray:
         for layer in self.layers:
             x = layer(x, memory, tgt_mask, memory_mask)  # (B, T, d)
+        return self.norm(x) if self.norm is not None else x
+
+    def forward_step(
+        self,
+        x: np.ndarray,
+        memory: np.ndarray,
+        caches: list[dict],
+        tgt_mask: np.ndarray | None = None,
+        memory_mask: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """`forward` for new target positions only, with one key/value cache per layer (see DecoderLayer)."""
+        if len(caches) != len(self.layers):
+            raise ValueError(f"Decoder.forward_step: expected {len(self.layers)} layer caches, got {len(caches)}")
+        for layer, cache in zip(self.layers, caches, strict=True):
+            x = layer.forward_step(x, memory, cache, tgt_mask, memory_mask)  # (B, Tn, d)
         return self.norm(x) if self.norm is not None else x
 
     def backward(self, grad_out: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

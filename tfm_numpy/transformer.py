@@ -179,6 +179,33 @@ class Transformer(Module):
         self._cache = (logits.shape, logits.dtype)
         return logits
 
+    def decode_step(self, tgt_new: np.ndarray, memory: np.ndarray, src_mask: np.ndarray, cache: dict) -> np.ndarray:
+        """Incremental decoding (inference only): the logits of the new target tokens `tgt_new` (B, Tn), usually
+        Tn = 1, the last token, given the `cache` of every earlier call (a dict, empty at the first call; filled
+        here). Equal to `decode(all tokens so far, ...)[:, -Tn:]`, at the cost of the new positions only:
+
+            cache["length"]  the number of target positions seen so far (the offset of the new ones)
+            cache["keep"]    (B, 1, 1, T) the padding mask of every target position so far
+            cache["layers"]  one dict per decoder layer: self_attn {"k", "v"} (B, H, T, dk), appended at each
+                             step; cross_attn {"k", "v"} (B, H, S, dk), the memory's, computed at the first step
+        """
+        self._check_tokens("tgt_new", tgt_new, self.tgt_vocab_size)
+        t0, Tn = cache.get("length", 0), tgt_new.shape[1]
+        if t0 + Tn > self.max_len:
+            raise ValueError(f"Transformer.decode_step: positions up to {t0 + Tn - 1} exceed max_len={self.max_len}")
+        if memory.ndim != 3 or memory.shape[0] != tgt_new.shape[0]:
+            raise ValueError(f"Transformer.decode_step: memory expected shape (B={tgt_new.shape[0]}, S, "
+                             f"{self.d_model}), got {memory.shape}")  # fmt: skip
+        keep = padding_mask(tgt_new, self.pad_id)  # (B, 1, 1, Tn)
+        cache["keep"] = keep if t0 == 0 else np.concatenate([cache["keep"], keep], axis=-1)  # (B, 1, 1, T)
+        tgt_mask = cache["keep"] & np.tri(Tn, t0 + Tn, t0, dtype=bool)  # (B, 1, Tn, T): new i sees 0 .. t0 + i
+        y = self._embed(tgt_new, self.tgt_embed, self.tgt_pos, self.tgt_dropout, offset=t0)  # (B, Tn, d)
+        layers = cache.setdefault("layers", [{} for _ in self.decoder.layers])
+        y = self.decoder.forward_step(y, memory, layers, tgt_mask, src_mask)  # (B, Tn, d)
+        cache["length"] = t0 + Tn
+        self._cache = None  # inference only: a backward after this is an error
+        return self.output_projection(y)  # (B, Tn, V)
+
     def forward(self, src: np.ndarray, tgt_in: np.ndarray) -> np.ndarray:
         memory, src_mask = self.encode(src)
         return self.decode(tgt_in, memory, src_mask)  # (B, T, V)
@@ -202,9 +229,9 @@ class Transformer(Module):
         self.encode_backward(self.decode_backward(grad_logits))
 
     # -- embeddings ---------------------------------------------------------------------------------------------
-    def _embed(self, tokens: np.ndarray, embed: Embedding, pos: Module, drop: Dropout) -> np.ndarray:
+    def _embed(self, tokens: np.ndarray, embed: Embedding, pos: Module, drop: Dropout, offset: int = 0) -> np.ndarray:
         x = embed(tokens) * math.sqrt(self.d_model)  # (B, T, d); the python float keeps float32 float32
-        return drop(pos(x))  # + positions, then dropout (section 5.4: "to the sums of the embeddings and ...")
+        return drop(pos(x, offset))  # + positions, then dropout (section 5.4: "to the sums of the embeddings and ...")
 
     def _embed_backward(self, grad_out: np.ndarray, embed: Embedding, pos: Module, drop: Dropout) -> None:
         dx = pos.backward(drop.backward(grad_out))

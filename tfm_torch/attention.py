@@ -185,5 +185,20 @@ class MultiHeadAttention(nn.Module):
         ctx = self.dropout(p) @ v  # (B, H, Tq, dk)
         return self.out_proj(self._merge(ctx))  # (B, Tq, d)
 
+    def forward_step(self, query, key, value, cache: dict, mask=None, *, static: bool = False) -> torch.Tensor:
+        """`forward` for incremental decoding (inference), keeping keys and values in `cache` (as tfm_numpy's):
+        static=False (self-attention) appends the new positions' keys and values to cache["k"], cache["v"]
+        (B, H, T, dk); static=True (cross-attention) projects the memory on the first call only."""
+        self._check(query, key, value)
+        if not (static and "k" in cache):
+            k = self._split(self.k_proj(key))  # (B, H, Tn, dk), or (B, H, S, dk) for the memory
+            v = self._split(self.v_proj(value))
+            if "k" in cache:  # self-attention: the earlier positions' keys and values, then the new ones
+                k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)
+            cache["k"], cache["v"] = k, v
+        q = self._split(self.q_proj(query))  # (B, H, Tn, dk)
+        p = attention_weights(q, cache["k"], mask)  # (B, H, Tn, T)
+        return self.out_proj(self._merge(self.dropout(p) @ cache["v"]))  # (B, Tn, d)
+
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, n_heads={self.n_heads}"

@@ -140,6 +140,35 @@ class DecoderLayer(_Counted):
             x = self.norm3(x + self._ff_block(x))
         return x  # (B, T, d)
 
+    def forward_step(
+        self,
+        x: torch.Tensor,
+        memory: torch.Tensor,
+        cache: dict,
+        tgt_mask: torch.Tensor | None = None,
+        memory_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`forward` for the new target positions x (B, Tn, d) only, the earlier ones' keys and values read from
+        `cache` (as tfm_numpy's; inference only)."""
+        _check_x("DecoderLayer: x", x, self.norm1)
+        _check_x("DecoderLayer: memory", memory, self.norm1)
+        sa, ca = cache.setdefault("self_attn", {}), cache.setdefault("cross_attn", {})
+        if self.norm_first:
+            x = x + self._sa_block_step(self.norm1(x), tgt_mask, sa)
+            x = x + self._mha_block_step(self.norm2(x), memory, memory_mask, ca)
+            x = x + self._ff_block(self.norm3(x))
+        else:
+            x = self.norm1(x + self._sa_block_step(x, tgt_mask, sa))
+            x = self.norm2(x + self._mha_block_step(x, memory, memory_mask, ca))
+            x = self.norm3(x + self._ff_block(x))
+        return x  # (B, Tn, d)
+
+    def _sa_block_step(self, x: torch.Tensor, mask: torch.Tensor | None, cache: dict) -> torch.Tensor:
+        return self.dropout1(self.self_attn.forward_step(x, x, x, cache, mask))  # new keys/values appended
+
+    def _mha_block_step(self, x, memory, mask, cache: dict) -> torch.Tensor:
+        return self.dropout2(self.cross_attn.forward_step(x, memory, memory, cache, mask, static=True))  # once
+
     def _sa_block(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         return self.dropout1(self.self_attn(x, x, x, mask))
 
@@ -226,6 +255,21 @@ class Decoder(_Counted):
     ) -> torch.Tensor:
         for layer in self.layers:
             x = layer(x, memory, tgt_mask, memory_mask)  # (B, T, d)
+        return self.norm(x) if self.norm is not None else x
+
+    def forward_step(
+        self,
+        x: torch.Tensor,
+        memory: torch.Tensor,
+        caches: list[dict],
+        tgt_mask: torch.Tensor | None = None,
+        memory_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`forward` for new target positions only, with one key/value cache per layer (see DecoderLayer)."""
+        if len(caches) != len(self.layers):
+            raise ValueError(f"Decoder.forward_step: expected {len(self.layers)} layer caches, got {len(caches)}")
+        for layer, cache in zip(self.layers, caches, strict=True):
+            x = layer.forward_step(x, memory, cache, tgt_mask, memory_mask)  # (B, Tn, d)
         return self.norm(x) if self.norm is not None else x
 
     def attention_weights(self, kind: str = "self") -> list[torch.Tensor]:

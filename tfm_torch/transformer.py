@@ -151,13 +151,33 @@ class Transformer(_Counted):
         y = self.decoder(y, memory, tgt_mask, src_mask)  # (B, T, d)
         return self.output_projection(y)  # (B, T, V)
 
+    def decode_step(self, tgt_new: torch.Tensor, memory: torch.Tensor, src_mask: torch.Tensor, cache: dict):
+        """Incremental decoding (inference): the logits (B, Tn, V) of the new target tokens `tgt_new` (B, Tn) given
+        the `cache` of the earlier calls (a dict, empty at first, filled here; the layout of tfm_numpy's)."""
+        self._check_tokens("tgt_new", tgt_new, self.tgt_vocab_size)
+        t0, Tn = cache.get("length", 0), tgt_new.shape[1]
+        if t0 + Tn > self.max_len:
+            raise ValueError(f"Transformer.decode_step: positions up to {t0 + Tn - 1} exceed max_len={self.max_len}")
+        if memory.dim() != 3 or memory.shape[0] != tgt_new.shape[0]:
+            raise ValueError(f"Transformer.decode_step: memory expected shape (B={tgt_new.shape[0]}, S, "
+                             f"{self.d_model}), got {tuple(memory.shape)}")  # fmt: skip
+        keep = padding_mask(tgt_new, self.pad_id)  # (B, 1, 1, Tn)
+        cache["keep"] = keep if t0 == 0 else torch.cat([cache["keep"], keep], dim=-1)  # (B, 1, 1, T)
+        causal = torch.ones(Tn, t0 + Tn, dtype=torch.bool, device=tgt_new.device).tril(t0)  # new i sees 0 .. t0 + i
+        tgt_mask = cache["keep"] & causal  # (B, 1, Tn, T)
+        y = self._embed(tgt_new, self.tgt_embed, self.tgt_pos, self.tgt_dropout, offset=t0)  # (B, Tn, d)
+        layers = cache.setdefault("layers", [{} for _ in self.decoder.layers])
+        y = self.decoder.forward_step(y, memory, layers, tgt_mask, src_mask)  # (B, Tn, d)
+        cache["length"] = t0 + Tn
+        return self.output_projection(y)  # (B, Tn, V)
+
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
         memory, src_mask = self.encode(src)
         return self.decode(tgt_in, memory, src_mask)  # (B, T, V)
 
-    def _embed(self, tokens: torch.Tensor, embed: Embedding, pos: nn.Module, drop: Dropout) -> torch.Tensor:
+    def _embed(self, tokens: torch.Tensor, embed: Embedding, pos: nn.Module, drop: Dropout, offset: int = 0):
         x = embed(tokens) * math.sqrt(self.d_model)  # (B, T, d)
-        return drop(pos(x))
+        return drop(pos(x, offset))
 
     def _check_tokens(self, arg: str, tokens, vocab_size: int) -> None:
         check_indices(f"Transformer: {arg}", tokens, vocab_size)
