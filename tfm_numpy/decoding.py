@@ -1,0 +1,217 @@
+"""Decoding, NumPy track: greedy search, beam search with a length penalty, and the key/value cache behind both.
+
+A trained model gives p(next token | source, target so far); decoding turns that into an output sequence, one
+token at a time, each choice fed back as the next input (autoregressive: never teacher-forced).
+
+- `greedy_decode` takes the most probable token at every step.
+- `beam_search` keeps the `beam_size` most probable prefixes and ranks the completed ones by
+  log p(Y | X) / lp(Y), with the length penalty of Wu et al. (2016), lp(Y) = ((5 + |Y|) / 6)^alpha: without it
+  (alpha = 0) every extra token lowers the log-probability, and short outputs win. "Attention Is All You Need"
+  used beam 4 and alpha 0.6, our defaults.
+- `use_cache=True` runs `Transformer.decode_step`: at each step only the new token goes through the decoder;
+  the keys and values of the earlier positions come from a cache (the memory's, for cross-attention, are
+  computed once). `use_cache=False` runs the whole prefix through `Transformer.decode` at every step. The two
+  give the same logits (to rounding) and the same tokens; the cache turns a quadratic cost into a linear one.
+
+Conventions, the same in both tracks:
+- Outputs are token ids (B, L), L <= max_len, without the bos: each row ends with its eos and `model.pad_id`
+  after it. A row that produced no eos within max_len ends without one (truncated).
+- The pad token is never generated (its logit is left out of the choice); bos and eos ids are arguments, so any
+  vocabulary works. |Y| counts the generated tokens, eos included.
+- Inference only: the model is switched to eval mode (dropout off) for the call and switched back after.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from contextlib import contextmanager
+
+import numpy as np
+
+from .functional import log_softmax
+
+__all__ = ["length_penalty", "greedy_decode", "beam_search", "sequence_scores", "reorder_cache"]
+
+
+def length_penalty(length, alpha: float = 0.6):
+    """lp(Y) = ((5 + |Y|) / 6)^alpha (Wu et al., 2016, the GNMT paper): 1 at |Y| = 1, growing with the length.
+    A hypothesis is ranked by log p(Y | X) / lp(Y); alpha = 0 ranks by the log-probability itself."""
+    return ((5.0 + np.asarray(length, dtype=np.float64)) / 6.0) ** alpha
+
+
+# -- the two searches ---------------------------------------------------------------------------------------------
+
+
+def greedy_decode(model, src: np.ndarray, bos_id: int, eos_id: int, max_len: int, use_cache: bool = True):
+    """The most probable next token at every step, until every row has produced eos or `max_len` tokens.
+
+    src (B, S) ids -> tokens (B, L), L <= max_len, without the bos; `model.pad_id` after each row's eos.
+    """
+    _check_args("greedy_decode", model, bos_id, eos_id, max_len)
+    with _eval_mode(model):
+        memory, src_mask = model.encode(src)  # once: every step reads the same memory
+        B = memory.shape[0]
+        tgt = np.full((B, 1), bos_id, dtype=np.int64)  # the decoder's input: bos, then every choice so far
+        done = np.zeros(B, dtype=bool)
+        cache = {} if use_cache else None
+        for _ in range(max_len):
+            logits = _next_logits(model, tgt, memory, src_mask, cache)  # (B, V)
+            logits[:, model.pad_id] = -np.inf  # pad is never generated
+            token = np.where(done, model.pad_id, logits.argmax(axis=-1))  # (B,); rows already done get padding
+            tgt = np.concatenate([tgt, token[:, None]], axis=1)
+            done |= token == eos_id
+            if done.all():
+                break
+    return tgt[:, 1:]  # (B, L): without the bos
+
+
+def beam_search(
+    model,
+    src: np.ndarray,
+    bos_id: int,
+    eos_id: int,
+    max_len: int,
+    beam_size: int = 4,
+    alpha: float = 0.6,
+    use_cache: bool = True,
+    *,
+    return_scores: bool = False,
+):
+    """Beam search: the best output per source by log p(Y | X) / length_penalty(|Y|, alpha).
+
+    src (B, S) ids -> tokens (B, L) as `greedy_decode`, and with return_scores=True also scores (B,) float64, each
+    the length-penalized log-probability of its row (what `sequence_scores` recomputes with teacher forcing).
+
+    The beams of all B sources run as one batch of B * beam_size rows (beam k of source b is row b * K + k). At
+    each step every live beam is extended by every token; of the K * V candidates of a source, the 2K most
+    probable are looked at (2K: at most K of them end in eos, one per beam, so K live ones always remain).
+      - a candidate ending in eos and ranked among the first K is complete: it is scored with the length penalty
+        and set aside;
+      - the K best that do not end in eos are the next step's beams; their caches are gathered from their parents.
+    A source is done once it has K complete hypotheses (as fairseq); if max_len comes first, its live beams count
+    as complete (truncated, no eos). The answer is the best complete hypothesis by score. With beam_size=1 this is
+    exactly greedy decoding; a larger beam can still miss the best sequence (the search is not exhaustive).
+    """
+    _check_args("beam_search", model, bos_id, eos_id, max_len)
+    K = _check_int("beam_search", "beam_size", beam_size)
+    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not 0 <= alpha < math.inf:
+        raise ValueError(f"beam_search: alpha must be a float >= 0, got {alpha!r}")
+    with _eval_mode(model):
+        memory, src_mask = model.encode(src)
+        B, V = memory.shape[0], model.tgt_vocab_size
+        memory, src_mask = np.repeat(memory, K, axis=0), np.repeat(src_mask, K, axis=0)  # (B*K, S, d): per beam
+        tgt = np.full((B * K, 1), bos_id, dtype=np.int64)
+        alive = np.full((B, K), -np.inf)  # log p of each beam's prefix: one live beam at first (the others would
+        alive[:, 0] = 0.0  # be copies of it), the rest -inf, never chosen while a finite candidate is left
+        complete = [[] for _ in range(B)]  # per source: (score, tokens) of its complete hypotheses
+        cache = {} if use_cache else None
+        for t in range(1, max_len + 1):  # t = the length of the candidates
+            logp = log_softmax(_next_logits(model, tgt, memory, src_mask, cache))  # (B*K, V)
+            logp[:, model.pad_id] = -np.inf
+            cand = (alive.reshape(B * K, 1) + logp).reshape(B, K * V)  # every beam extended by every token
+            top = np.argsort(-cand, axis=1, kind="stable")[:, : 2 * K]  # (B, 2K): the best, best first
+            top_logp = np.take_along_axis(cand, top, axis=1)
+            beam, token = top // V, top % V  # which beam, extended by which token
+            is_eos = token == eos_id
+            for b, r in zip(*np.nonzero(is_eos[:, :K] & np.isfinite(top_logp[:, :K])), strict=True):
+                if len(complete[b]) < K:
+                    tokens = [*tgt[b * K + beam[b, r], 1:].tolist(), eos_id]
+                    complete[b].append((float(top_logp[b, r] / length_penalty(t, alpha)), tokens))
+            live = np.argsort(is_eos, axis=1, kind="stable")[:, :K]  # (B, K): the best K not ending in eos
+            beam, token, alive = (np.take_along_axis(a, live, axis=1) for a in (beam, token, top_logp))
+            rows = (np.arange(B)[:, None] * K + beam).reshape(-1)  # (B*K,): the row each new beam continues
+            tgt = np.concatenate([tgt[rows], token.reshape(-1, 1)], axis=1)
+            if cache is not None:
+                cache = reorder_cache(cache, rows)
+            if all(len(c) >= K for c in complete):
+                break
+        for b in range(B):  # max_len reached: live beams count as complete, as they are
+            if len(complete[b]) < K:
+                for k in np.flatnonzero(np.isfinite(alive[b])):
+                    score = float(alive[b, k] / length_penalty(max_len, alpha))
+                    complete[b].append((score, tgt[b * K + k, 1:].tolist()))
+    best = [max(c, key=lambda hyp: hyp[0]) for c in complete]  # the first of equal scores
+    out = np.full((B, max(len(toks) for _, toks in best)), model.pad_id, dtype=np.int64)
+    for b, (_, toks) in enumerate(best):
+        out[b, : len(toks)] = toks
+    return (out, np.array([s for s, _ in best])) if return_scores else out
+
+
+def sequence_scores(model, src: np.ndarray, tokens: np.ndarray, bos_id: int, eos_id: int, alpha: float = 0.6):
+    """The score beam search ranks by, recomputed with teacher forcing: log p(Y | X) / length_penalty(|Y|, alpha)
+    for each row of `tokens` (B, L) (decoder outputs, without the bos), counting the tokens up to and including
+    the first eos (all the non-pad tokens if there is none). Returns (B,) float64."""
+    _check_args("sequence_scores", model, bos_id, eos_id)
+    if not isinstance(tokens, np.ndarray) or tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
+        raise ValueError(f"sequence_scores: tokens expected a (B, L) integer array, got {_describe(tokens)}")
+    with _eval_mode(model):
+        tgt_in = np.concatenate([np.full((len(tokens), 1), bos_id, dtype=tokens.dtype), tokens[:, :-1]], axis=1)
+        logp = log_softmax(model(src, tgt_in))  # (B, L, V)
+    token_logp = np.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0].astype(np.float64)  # (B, L)
+    before_eos = np.cumsum(tokens == eos_id, axis=1) - (tokens == eos_id) == 0  # up to and including the 1st eos
+    counted = before_eos & (tokens != model.pad_id)
+    return np.where(counted, token_logp, 0.0).sum(axis=1) / length_penalty(counted.sum(axis=1), alpha)
+
+
+# -- the cache ------------------------------------------------------------------------------------------------------
+
+
+def reorder_cache(cache: dict, rows: np.ndarray) -> dict:
+    """The cache of `Transformer.decode_step` for the batch rows `rows` (repeats allowed), in that order: after a
+    beam search step, new beam i continues the prefix of row rows[i], so it needs that row's keys and values.
+    (The cross-attention's memory keys and values are gathered too; within a source they are the same rows.)"""
+    if isinstance(cache, dict):
+        return {k: reorder_cache(v, rows) for k, v in cache.items()}
+    if isinstance(cache, list):
+        return [reorder_cache(v, rows) for v in cache]
+    return cache[rows] if isinstance(cache, np.ndarray) else cache  # arrays are batch-first; the length stays
+
+
+def _next_logits(model, tgt: np.ndarray, memory: np.ndarray, src_mask: np.ndarray, cache: dict | None) -> np.ndarray:
+    """The logits (B, V) of the token after `tgt` (B, T): the last token through the cache, or all of `tgt`."""
+    if cache is None:
+        return model.decode(tgt, memory, src_mask)[:, -1]  # the whole prefix again
+    return model.decode_step(tgt[:, -1:], memory, src_mask, cache)[:, -1]  # the new token only
+
+
+# -- checks -------------------------------------------------------------------------------------------------------
+
+
+@contextmanager
+def _eval_mode(model):
+    """Dropout off for the duration (decoding is deterministic), the caller's mode restored after."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
+
+
+def _check_int(name: str, arg: str, value, low: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+        raise ValueError(f"{name}: {arg} must be an int >= {low}, got {value!r}")
+    return int(value)
+
+
+def _describe(x) -> str:
+    return f"shape {x.shape}, dtype {x.dtype}" if isinstance(x, np.ndarray) else type(x).__name__
+
+
+def _check_args(name: str, model, bos_id, eos_id, max_len=None) -> None:
+    """Special ids are tokens of the target vocabulary other than pad; max_len fits the model's positions."""
+    V, pad = model.tgt_vocab_size, model.pad_id
+    for arg, value in (("bos_id", bos_id), ("eos_id", eos_id)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= value < V:
+            raise ValueError(f"{name}: {arg} must be a token id in [0, {V}) (the target vocabulary), got {value!r}")
+        if value == pad:
+            raise ValueError(f"{name}: {arg}={value} is the model's pad_id: padding is masked, it cannot be {arg}")
+    if max_len is None:
+        return
+    _check_int(name, "max_len", max_len)
+    if max_len > model.max_len:
+        raise ValueError(
+            f"{name}: max_len={max_len} exceeds the model's max_len={model.max_len} (the decoder reads bos and up "
+            f"to max_len - 1 generated tokens, one position each)"
+        )

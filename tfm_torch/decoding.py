@@ -1,0 +1,193 @@
+"""Decoding, PyTorch track: the same functions, arguments and conventions as tfm_numpy.decoding (see its
+docstring): greedy search, beam search with the GNMT length penalty, and the key/value cache.
+
+Inference only: every function runs under `torch.no_grad()` with the model in eval mode (restored after).
+Tokens are int64 tensors on the model's device; the same weights give the same tokens as the NumPy track.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from contextlib import contextmanager
+
+import torch
+
+from .functional import log_softmax
+
+__all__ = ["length_penalty", "greedy_decode", "beam_search", "sequence_scores", "reorder_cache"]
+
+
+def length_penalty(length, alpha: float = 0.6):
+    """lp(Y) = ((5 + |Y|) / 6)^alpha (Wu et al., 2016); a tensor of lengths gives a float64 tensor."""
+    if isinstance(length, torch.Tensor):
+        return ((5.0 + length.to(torch.float64)) / 6.0) ** alpha
+    return ((5.0 + length) / 6.0) ** alpha
+
+
+# -- the two searches ---------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def greedy_decode(model, src: torch.Tensor, bos_id: int, eos_id: int, max_len: int, use_cache: bool = True):
+    """The most probable next token at every step, until every row has produced eos or `max_len` tokens.
+
+    src (B, S) ids -> tokens (B, L), L <= max_len, without the bos; `model.pad_id` after each row's eos.
+    """
+    _check_args("greedy_decode", model, bos_id, eos_id, max_len)
+    with _eval_mode(model):
+        memory, src_mask = model.encode(src)  # once: every step reads the same memory
+        B = memory.shape[0]
+        tgt = torch.full((B, 1), bos_id, dtype=torch.long, device=memory.device)  # bos, then every choice so far
+        done = torch.zeros(B, dtype=torch.bool, device=memory.device)
+        cache = {} if use_cache else None
+        for _ in range(max_len):
+            logits = _next_logits(model, tgt, memory, src_mask, cache)  # (B, V)
+            logits[:, model.pad_id] = -math.inf  # pad is never generated
+            token = torch.where(done, model.pad_id, logits.argmax(dim=-1))  # (B,); rows already done get padding
+            tgt = torch.cat([tgt, token[:, None]], dim=1)
+            done |= token == eos_id
+            if done.all():
+                break
+    return tgt[:, 1:]  # (B, L): without the bos
+
+
+@torch.no_grad()
+def beam_search(
+    model,
+    src: torch.Tensor,
+    bos_id: int,
+    eos_id: int,
+    max_len: int,
+    beam_size: int = 4,
+    alpha: float = 0.6,
+    use_cache: bool = True,
+    *,
+    return_scores: bool = False,
+):
+    """Beam search: the best output per source by log p(Y | X) / length_penalty(|Y|, alpha), the algorithm of
+    tfm_numpy.beam_search step for step (B * beam_size rows; the 2K best candidates; eos among the first K
+    completes a hypothesis; a source is done with K complete ones). Returns tokens (B, L), and with
+    return_scores=True also scores (B,) float64."""
+    _check_args("beam_search", model, bos_id, eos_id, max_len)
+    K = _check_int("beam_search", "beam_size", beam_size)
+    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not 0 <= alpha < math.inf:
+        raise ValueError(f"beam_search: alpha must be a float >= 0, got {alpha!r}")
+    with _eval_mode(model):
+        memory, src_mask = model.encode(src)
+        B, V, dev = memory.shape[0], model.tgt_vocab_size, memory.device
+        memory, src_mask = memory.repeat_interleave(K, dim=0), src_mask.repeat_interleave(K, dim=0)  # (B*K, ...)
+        tgt = torch.full((B * K, 1), bos_id, dtype=torch.long, device=dev)
+        alive = torch.full((B, K), -math.inf, dtype=torch.float64, device=dev)  # log p of each beam's prefix:
+        alive[:, 0] = 0.0  # one live beam at first (the others would be copies of it)
+        complete = [[] for _ in range(B)]  # per source: (score, tokens) of its complete hypotheses
+        cache = {} if use_cache else None
+        for t in range(1, max_len + 1):  # t = the length of the candidates
+            logp = log_softmax(_next_logits(model, tgt, memory, src_mask, cache))  # (B*K, V)
+            logp[:, model.pad_id] = -math.inf
+            cand = (alive.reshape(B * K, 1) + logp).reshape(B, K * V)  # every beam extended by every token
+            top_logp, top = torch.sort(cand, dim=1, descending=True, stable=True)  # stable: ties as in NumPy
+            top_logp, top = top_logp[:, : 2 * K], top[:, : 2 * K]  # (B, 2K): the best, best first
+            beam, token = top // V, top % V
+            is_eos = token == eos_id
+            for b, r in (is_eos[:, :K] & torch.isfinite(top_logp[:, :K])).nonzero().tolist():
+                if len(complete[b]) < K:
+                    tokens = [*tgt[b * K + beam[b, r], 1:].tolist(), eos_id]
+                    complete[b].append((top_logp[b, r].item() / length_penalty(t, alpha), tokens))
+            live = torch.sort(is_eos.to(torch.uint8), dim=1, stable=True).indices[:, :K]  # best K without eos
+            beam, token, alive = (a.gather(1, live) for a in (beam, token, top_logp))
+            rows = (torch.arange(B, device=dev)[:, None] * K + beam).reshape(-1)  # the row each new beam continues
+            tgt = torch.cat([tgt[rows], token.reshape(-1, 1)], dim=1)
+            if cache is not None:
+                cache = reorder_cache(cache, rows)
+            if all(len(c) >= K for c in complete):
+                break
+        for b in range(B):  # max_len reached: live beams count as complete, as they are
+            if len(complete[b]) < K:
+                for k in torch.isfinite(alive[b]).nonzero()[:, 0].tolist():
+                    score = alive[b, k].item() / length_penalty(max_len, alpha)
+                    complete[b].append((score, tgt[b * K + k, 1:].tolist()))
+    best = [max(c, key=lambda hyp: hyp[0]) for c in complete]  # the first of equal scores
+    out = torch.full((B, max(len(toks) for _, toks in best)), model.pad_id, dtype=torch.long, device=dev)
+    for b, (_, toks) in enumerate(best):
+        out[b, : len(toks)] = torch.tensor(toks, dtype=torch.long)
+    scores = torch.tensor([s for s, _ in best], dtype=torch.float64)
+    return (out, scores) if return_scores else out
+
+
+@torch.no_grad()
+def sequence_scores(model, src: torch.Tensor, tokens: torch.Tensor, bos_id: int, eos_id: int, alpha: float = 0.6):
+    """log p(Y | X) / length_penalty(|Y|, alpha) of each row of `tokens` (B, L) (without the bos), teacher-forced,
+    counting the tokens up to and including the first eos (all the non-pad ones if none). Returns (B,) float64."""
+    _check_args("sequence_scores", model, bos_id, eos_id)
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.is_floating_point() or tokens.is_complex():
+        raise ValueError(f"sequence_scores: tokens expected a (B, L) integer tensor, got {_describe(tokens)}")
+    with _eval_mode(model):
+        bos = torch.full((len(tokens), 1), bos_id, dtype=tokens.dtype, device=tokens.device)
+        logp = log_softmax(model(src, torch.cat([bos, tokens[:, :-1]], dim=1)))  # (B, L, V)
+    token_logp = logp.gather(-1, tokens[..., None].long())[..., 0].to(torch.float64)  # (B, L)
+    is_eos = (tokens == eos_id).long()
+    counted = (is_eos.cumsum(dim=1) - is_eos == 0) & (tokens != model.pad_id)  # up to and including the 1st eos
+    return torch.where(counted, token_logp, 0.0).sum(dim=1) / length_penalty(counted.sum(dim=1), alpha)
+
+
+# -- the cache ------------------------------------------------------------------------------------------------------
+
+
+def reorder_cache(cache: dict, rows: torch.Tensor) -> dict:
+    """The cache of `Transformer.decode_step` for the batch rows `rows` (repeats allowed), in that order (as
+    tfm_numpy.reorder_cache): after a beam search step, each new beam needs its parent's keys and values."""
+    if isinstance(cache, dict):
+        return {k: reorder_cache(v, rows) for k, v in cache.items()}
+    if isinstance(cache, list):
+        return [reorder_cache(v, rows) for v in cache]
+    return cache[rows] if isinstance(cache, torch.Tensor) else cache  # tensors are batch-first; the length stays
+
+
+def _next_logits(model, tgt, memory, src_mask, cache: dict | None) -> torch.Tensor:
+    """The logits (B, V) of the token after `tgt` (B, T): the last token through the cache, or all of `tgt`."""
+    if cache is None:
+        return model.decode(tgt, memory, src_mask)[:, -1]  # the whole prefix again
+    return model.decode_step(tgt[:, -1:], memory, src_mask, cache)[:, -1]  # the new token only
+
+
+# -- checks -------------------------------------------------------------------------------------------------------
+
+
+@contextmanager
+def _eval_mode(model):
+    """Dropout off for the duration, the caller's mode restored after."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
+
+
+def _check_int(name: str, arg: str, value, low: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+        raise ValueError(f"{name}: {arg} must be an int >= {low}, got {value!r}")
+    return int(value)
+
+
+def _describe(x) -> str:
+    return f"shape {tuple(x.shape)}, dtype {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
+
+
+def _check_args(name: str, model, bos_id, eos_id, max_len=None) -> None:
+    """Special ids are tokens of the target vocabulary other than pad; max_len fits the model's positions."""
+    V, pad = model.tgt_vocab_size, model.pad_id
+    for arg, value in (("bos_id", bos_id), ("eos_id", eos_id)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= value < V:
+            raise ValueError(f"{name}: {arg} must be a token id in [0, {V}) (the target vocabulary), got {value!r}")
+        if value == pad:
+            raise ValueError(f"{name}: {arg}={value} is the model's pad_id: padding is masked, it cannot be {arg}")
+    if max_len is None:
+        return
+    _check_int(name, "max_len", max_len)
+    if max_len > model.max_len:
+        raise ValueError(
+            f"{name}: max_len={max_len} exceeds the model's max_len={model.max_len} (the decoder reads bos and up "
+            f"to max_len - 1 generated tokens, one position each)"
+        )
