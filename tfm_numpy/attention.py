@@ -83,18 +83,22 @@ def attention_weights(q: np.ndarray, k: np.ndarray, mask: np.ndarray | None = No
     """
     _check_qkv(q, k)
     scale = 1.0 / math.sqrt(q.shape[-1])  # a python float: keeps float32 float32
-    scores = (q @ np.swapaxes(k, -1, -2)) * scale  # (..., Tq, dk) @ (..., dk, Tk) -> (..., Tq, Tk)
+    scores = q @ np.swapaxes(k, -1, -2)  # (..., Tq, dk) @ (..., dk, Tk) -> (..., Tq, Tk): a new array, so the
+    scores *= scale  # steps below may work in place (no more arrays of this size, the largest of the attention)
     if mask is not None:
         _check_mask(mask, scores.shape)
     if fill is not None:
         return _softmax_filled(scores, mask, fill)
     if mask is not None:
-        scores = np.where(mask, scores, -np.inf)  # exp(-inf) = 0: a masked key gets exactly zero weight
+        np.copyto(scores, -np.inf, where=~mask)  # exp(-inf) = 0: a masked key gets exactly zero weight
     row_max = scores.max(axis=-1, keepdims=True)  # (..., Tq, 1), subtracted for stability
     row_max[~np.isfinite(row_max)] = 0  # an all-masked row has max -inf; any finite shift will do
-    e = np.exp(scores - row_max)
+    scores -= row_max
+    e = np.exp(scores, out=scores)  # exp(scores - row_max), in place
     denom = e.sum(axis=-1, keepdims=True)  # >= 1 for a row with an allowed key (its max gives exp(0)), else 0
-    return e / np.where(denom > 0, denom, 1)  # all-masked row: 0 / 1 = 0
+    denom[denom == 0] = 1  # all-masked row: 0 / 1 = 0
+    e /= denom
+    return e
 
 
 def _softmax_filled(scores: np.ndarray, mask: np.ndarray | None, fill: float) -> np.ndarray:
@@ -113,7 +117,9 @@ def attention_weights_backward(grad_weights, q, k, weights, mask=None):
     all-masked rows have P = 0, so their dS is already 0. `mask` is needed only after a `fill` forward,
     where masked scores were constants (their dS must be 0 even where P is not).
     """
-    ds = weights * (grad_weights - (grad_weights * weights).sum(axis=-1, keepdims=True))  # (..., Tq, Tk)
+    row = (grad_weights * weights).sum(axis=-1, keepdims=True)  # (..., Tq, 1): rowsum(dP * P)
+    ds = grad_weights - row  # (..., Tq, Tk), a new array: the rest in place
+    ds *= weights  # dS = P * (dP - rowsum(dP * P))
     if mask is not None:
         ds = np.where(mask, ds, 0)
     ds *= 1.0 / math.sqrt(q.shape[-1])  # through S = q k^T / sqrt(dk)

@@ -32,8 +32,9 @@ def log_softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     log(softmax(x)) would give log(0) = -inf wherever p underflows; this form stays finite.
     """
     check_input("log_softmax", x)
-    z = x - x.max(axis=axis, keepdims=True)
-    return z - np.log(np.exp(z).sum(axis=axis, keepdims=True))
+    z = x - x.max(axis=axis, keepdims=True)  # a new array: ours to change in place
+    z -= np.log(np.exp(z).sum(axis=axis, keepdims=True))  # in place: one array of x's size fewer (logits are big)
+    return z
 
 
 def softmax_backward(p: np.ndarray, grad_p: np.ndarray, axis: int = -1) -> np.ndarray:

@@ -124,7 +124,9 @@ class ReLU(Module):
     def backward(self, grad_out: np.ndarray) -> np.ndarray:
         mask, dtype = self._saved()
         check_grad("ReLU", grad_out, mask.shape, dtype)
-        return np.where(mask, grad_out, 0).astype(grad_out.dtype, copy=False)
+        # grad * mask (bool -> 0 or 1, grad's dtype): much faster than np.where(mask, grad, 0), whose branch on each
+        # element of a random-looking mask is mispredicted about half the time
+        return grad_out * mask
 
 
 class GELU(Module):
@@ -241,11 +243,14 @@ class LayerNorm(Module):
         axes = tuple(range(-k, 0))
         mu = x.mean(axis=axes, keepdims=True)  # (N..., 1...)
         xc = x - mu
-        var = (xc * xc).mean(axis=axes, keepdims=True)  # biased variance
+        var = np.square(xc).mean(axis=axes, keepdims=True)  # biased variance
         rstd = 1 / np.sqrt(var + self.eps)  # (N..., 1...)
-        xhat = xc * rstd  # (N..., *normalized_shape)
+        xhat = xc
+        xhat *= rstd  # (N..., *normalized_shape), in place of xc (no longer needed)
         self._cache = (xhat, rstd, axes)
-        return xhat * self.weight.data + self.bias.data
+        y = xhat * self.weight.data
+        y += self.bias.data
+        return y
 
     def backward(self, grad_out: np.ndarray) -> np.ndarray:
         xhat, rstd, axes = self._saved()
@@ -254,8 +259,11 @@ class LayerNorm(Module):
         self.weight.grad += (grad_out * xhat).sum(axis=lead)
         self.bias.grad += grad_out.sum(axis=lead)
         dxhat = grad_out * self.weight.data
-        proj = dxhat.mean(axis=axes, keepdims=True) + xhat * (dxhat * xhat).mean(axis=axes, keepdims=True)
-        return rstd * (dxhat - proj)
+        proj = xhat * (dxhat * xhat).mean(axis=axes, keepdims=True)
+        proj += dxhat.mean(axis=axes, keepdims=True)  # mean(dxhat) + xhat * mean(dxhat * xhat)
+        dx = np.subtract(dxhat, proj, out=proj)  # in place: no new array of x's size from here on
+        dx *= rstd
+        return dx
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}"

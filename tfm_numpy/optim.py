@@ -74,6 +74,7 @@ class Adam:
         self.step_count = 0
         self.exp_avg = [np.zeros_like(p.data) for p in self.params]
         self.exp_avg_sq = [np.zeros_like(p.data) for p in self.params]
+        self._buf: np.ndarray | None = None  # scratch space for `step`, allocated at the first step
 
     @property
     def lr(self) -> float:
@@ -109,11 +110,28 @@ class Adam:
             g = p.grad
             if self.weight_decay != 0:
                 g = g + self.weight_decay * p.data
-            _lerp_(m, g, 1 - beta1)  # m = beta1 m + (1 - beta1) g, computed as torch's lerp_
+            # The same formulas, written with out= and in-place operators into one scratch array `tmp`: no new
+            # arrays per step (for a large model each would be as big as the parameter). Python floats keep float32.
+            tmp = self._scratch(p.data)
+            _lerp_(m, g, 1 - beta1, tmp)  # m = beta1 m + (1 - beta1) g, computed as torch's lerp_
             v *= beta2
-            v += (1 - beta2) * g * g
-            denom = np.sqrt(v) / bias_correction2_sqrt + self.eps
-            p.data -= step_size * m / denom
+            np.multiply(g, 1 - beta2, out=tmp)
+            tmp *= g
+            v += tmp  # v = beta2 v + (1 - beta2) g^2
+            np.sqrt(v, out=tmp)
+            tmp /= bias_correction2_sqrt
+            tmp += self.eps  # tmp = denom = sqrt(v) / sqrt(1 - beta2^t) + eps
+            np.divide(m, tmp, out=tmp)
+            tmp *= step_size
+            p.data -= tmp  # p = p - step_size * m / denom
+
+    def _scratch(self, like: np.ndarray) -> np.ndarray:
+        """A scratch array shaped like `like`: a view of one flat buffer, as large as the largest parameter."""
+        buf = self._buf
+        if buf is None or buf.dtype != like.dtype or buf.size < like.size:
+            buf = np.empty(max(p.data.size for p in self.params), dtype=like.dtype)
+            self._buf = buf
+        return buf[: like.size].reshape(like.shape)
 
     def state_dict(self) -> dict:
         """Copies: {"step", "lr", "betas", "eps", "weight_decay", "exp_avg": [arrays], "exp_avg_sq": [arrays]}."""
@@ -162,12 +180,16 @@ class Adam:
         )
 
 
-def _lerp_(start: np.ndarray, end: np.ndarray, weight: float) -> None:
-    """start += weight * (end - start) in place, with the two formulas of torch.lerp (exact at both ends)."""
+def _lerp_(start: np.ndarray, end: np.ndarray, weight: float, tmp: np.ndarray) -> None:
+    """start += weight * (end - start) in place, with the two formulas of torch.lerp (exact at both ends);
+    `tmp` is scratch space of start's shape."""
+    np.subtract(end, start, out=tmp)
     if abs(weight) < 0.5:
-        start += weight * (end - start)
+        tmp *= weight
+        start += tmp
     else:
-        start[...] = end - (end - start) * (1 - weight)
+        tmp *= 1 - weight
+        np.subtract(end, tmp, out=start)
 
 
 def make_adam(model: Module, lr: float = 1e-3, betas=(0.9, 0.98), eps: float = 1e-9, weight_decay: float = 0.0):
