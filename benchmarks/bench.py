@@ -402,11 +402,19 @@ def fmt_ms(s: float) -> str:
     return f"{ms:.1f}" if ms >= 10 else f"{ms:.2f}"
 
 
+REPORT: list[str] = []  # every line printed by the driver, stored in the JSON as "report"
+
+
+def say(text: str) -> None:
+    print(text, flush=True)
+    REPORT.append(text)
+
+
 def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    print(f"\n{title}")
+    say(f"\n{title}")
     for r in [header, *rows]:
-        print("  " + "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))))
+        say("  " + "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))))
 
 
 def pct(gflops: float, peak: float) -> str:
@@ -434,12 +442,12 @@ class Bench:
         res["numpy"], res["torch"] = (w.ask(op="info") for w in self.workers)
         m, nx, tx = res["machine"], res["numpy"], res["torch"]
         load = tuple(round(x, 2) for x in m["load_average"] or ())
-        print(f"CPU: {m['cpu']}, {m['cores']} cores ({m['usable_cores']} usable); {m['platform']}")
-        print(f"Python {m['python']}; load average (1, 5, 15 min) at start {load}")
-        print(f"NumPy {nx['numpy']} ({nx['blas']}, BLAS threads: {nx['blas_threads']}); "
+        say(f"CPU: {m['cpu']}, {m['cores']} cores ({m['usable_cores']} usable); {m['platform']}")
+        say(f"Python {m['python']}; load average (1, 5, 15 min) at start {load}")
+        say(f"NumPy {nx['numpy']} ({nx['blas']}, BLAS threads: {nx['blas_threads']}); "
               f"torch {tx['torch']} ({tx['blas']}, torch.get_num_threads() = {tx['threads']})")  # fmt: skip
-        print("Worker environment: " + " ".join(f"{k}={v}" for k, v in res["env"].items()))
-        print(f"Each library in its own process, runs interleaved, {a.pause} s pause between them; "
+        say("Worker environment: " + " ".join(f"{k}={v}" for k, v in res["env"].items()))
+        say(f"Each library in its own process, runs interleaved, {a.pause} s pause between them; "
               f"every figure the median of {self.repeats} repeats (matmul: the best).")  # fmt: skip
 
     def matmul(self) -> None:
@@ -516,6 +524,7 @@ class Bench:
 
 
 def run(args) -> dict:
+    REPORT.clear()
     m = machine_info()
     threads = args.threads or m["usable_cores"]
     workers = [Worker("numpy", threads, args.numpy_root), Worker("torch", threads)]
@@ -536,7 +545,8 @@ def run(args) -> dict:
         for w in workers:
             w.close()
     m["load_average_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
-    print(f"\nload average at the end {tuple(round(x, 2) for x in m['load_average_end'] or ())}")
+    say(f"\nload average at the end {tuple(round(x, 2) for x in m['load_average_end'] or ())}")
+    bench.res["report"] = "\n".join(REPORT)
     return bench.res
 
 
