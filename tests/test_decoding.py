@@ -365,11 +365,12 @@ def reference_beam_search(model, src_row, bos, eos, max_len, K, alpha):
             logp = tn.log_softmax(model.next_logits(src_row, [bos, *toks]))
             cands += [(lp + logp[tok], [*toks, tok]) for tok in range(len(logp)) if tok != PAD]
         cands = sorted(cands, key=lambda c: -c[0])[: 2 * K]  # stable: ties keep (beam, token) order
-        for lp, toks in cands[:K]:  # complete: eos among the first K
-            if toks[-1] == eos and len(complete) < K:
-                complete.append((lp / ((5 + t) / 6) ** alpha, toks))
+        for lp, toks in cands[:K]:  # complete: eos among the first K; the K best complete ones are kept
+            if toks[-1] == eos:
+                complete = sorted([*complete, (lp / ((5 + t) / 6) ** alpha, toks)], key=lambda c: -c[0])[:K]
         beams = [c for c in cands if c[1][-1] != eos][:K]  # live: the best K without eos
-        if len(complete) >= K:
+        best_live = max(lp for lp, _ in beams) / ((5 + t) / 6) ** alpha
+        if len(complete) >= K and complete[-1][0] >= best_live:  # done: no live beam scores better now
             break
     else:
         complete += [(lp / ((5 + max_len) / 6) ** alpha, toks) for lp, toks in beams]
@@ -397,6 +398,35 @@ def test_beam_search_equals_a_plain_reference(track, K, alpha, eos_bias):
             assert abs(score[b] - ref_score) < TOL
             lengths.add(len(ref_tok))
     assert len(lengths) >= 3  # the outputs end at several lengths
+
+
+class ConfidentLM(RandomPrefixLM):
+    """A confident model over {pad, bos, eos, a=3, b=4}: before 6 tokens p(a) = 0.99, p(eos) = 0.006,
+    p(b) = 0.004; after 6 tokens p(eos) = 0.99. Prefix + eos ranks among the 4 best candidates at every step."""
+
+    def next_logits(self, src_row, prefix) -> np.ndarray:
+        p = {3: 0.99, EOS: 0.006, 4: 0.004} if len(prefix) - 1 < 6 else {EOS: 0.99, 3: 0.006, 4: 0.004}
+        logits = np.full(self.tgt_vocab_size, -1e9)
+        for tok, q in p.items():
+            logits[tok] = math.log(q)
+        return logits
+
+    def __call__(self, src, tgt_in):  # teacher forcing, for sequence_scores
+        return self.decode(tgt_in, *self.encode(src))
+
+
+@pytest.mark.parametrize("track", TRACKS)
+def test_beam_does_not_stop_on_early_eos_hypotheses(track):
+    """Regression: stopping once K complete hypotheses exist (fairseq's rule) returned a short early-eos output
+    scoring far below greedy's "aaaaaa<eos>" on this model. Beam 4 must now score at least as well as greedy."""
+    lib, use_torch = (tn, False) if track == "numpy" else (tt, True)
+    model = ConfidentLM(vocab=5, max_len=20, torch=use_torch)
+    src = torch.tensor([[5]]) if use_torch else np.array([[5]])
+    greedy = lib.greedy_decode(model, src, BOS, EOS, 20)
+    greedy_score = to_numpy(lib.sequence_scores(model, src, greedy, BOS, EOS, 0.6))[0]
+    tok, score = lib.beam_search(model, src, BOS, EOS, 20, beam_size=4, alpha=0.6, return_scores=True)
+    assert to_numpy(score)[0] >= greedy_score - TOL
+    assert to_numpy(tok)[0].tolist() == [3] * 6 + [EOS]
 
 
 def all_outputs(vocab: int, max_len: int, eos: int) -> list[list[int]]:

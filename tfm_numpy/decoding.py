@@ -89,9 +89,15 @@ def beam_search(
       - a candidate ending in eos and ranked among the first K is complete: it is scored with the length penalty
         and set aside;
       - the K best that do not end in eos are the next step's beams; their caches are gathered from their parents.
-    A source is done once it has K complete hypotheses (as fairseq); if max_len comes first, its live beams count
-    as complete (truncated, no eos). The answer is the best complete hypothesis by score. With beam_size=1 this is
-    exactly greedy decoding; a larger beam can still miss the best sequence (the search is not exhaustive).
+    Each source keeps its K best complete hypotheses. It is done once it has K of them and the worst scores at
+    least the best live beam's log p / length_penalty(t, alpha) at the current length t. Extending a beam only
+    lowers its log p, so with alpha = 0 no live beam can beat the K kept ones and the stop is exact; with alpha > 0
+    the penalty grows with the length, so a longer continuation can still score higher: the rule is then a
+    heuristic bound (as Hugging Face's default early_stopping=False), not a guarantee. Stopping as soon as K
+    complete hypotheses exist (fairseq's rule) can end on short early-eos hypotheses far below greedy. If max_len
+    comes first, the live beams count as complete (truncated, no eos). The answer is the best complete hypothesis
+    by score. With beam_size=1 this is exactly greedy decoding; a larger beam can still miss the best sequence
+    (the search is not exhaustive).
     """
     _check_args("beam_search", model, bos_id, eos_id, max_len)
     K = _check_int("beam_search", "beam_size", beam_size)
@@ -105,6 +111,7 @@ def beam_search(
         alive = np.full((B, K), -np.inf)  # log p of each beam's prefix: one live beam at first (the others would
         alive[:, 0] = 0.0  # be copies of it), the rest -inf, never chosen while a finite candidate is left
         complete = [[] for _ in range(B)]  # per source: (score, tokens) of its complete hypotheses
+        done = np.zeros(B, dtype=bool)
         cache = {} if use_cache else None
         for t in range(1, max_len + 1):  # t = the length of the candidates
             logp = log_softmax(_next_logits(model, tgt, memory, src_mask, cache))  # (B*K, V)
@@ -115,19 +122,25 @@ def beam_search(
             beam, token = top // V, top % V  # which beam, extended by which token
             is_eos = token == eos_id
             for b, r in zip(*np.nonzero(is_eos[:, :K] & np.isfinite(top_logp[:, :K])), strict=True):
-                if len(complete[b]) < K:
+                if not done[b]:
                     tokens = [*tgt[b * K + beam[b, r], 1:].tolist(), eos_id]
                     complete[b].append((float(top_logp[b, r] / length_penalty(t, alpha)), tokens))
+                    complete[b] = sorted(complete[b], key=lambda h: -h[0])[:K]  # the K best (stable)
             live = np.argsort(is_eos, axis=1, kind="stable")[:, :K]  # (B, K): the best K not ending in eos
             beam, token, alive = (np.take_along_axis(a, live, axis=1) for a in (beam, token, top_logp))
             rows = (np.arange(B)[:, None] * K + beam).reshape(-1)  # (B*K,): the row each new beam continues
             tgt = np.concatenate([tgt[rows], token.reshape(-1, 1)], axis=1)
             if cache is not None:
                 cache = reorder_cache(cache, rows)
-            if all(len(c) >= K for c in complete):
+            # done: K complete hypotheses, the worst of them at least the best live beam's score now
+            best_live = alive.max(axis=1) / length_penalty(t, alpha)
+            for b in range(B):
+                if len(complete[b]) >= K and complete[b][-1][0] >= best_live[b]:
+                    done[b] = True
+            if done.all():
                 break
         for b in range(B):  # max_len reached: live beams count as complete, as they are
-            if len(complete[b]) < K:
+            if not done[b]:
                 for k in np.flatnonzero(np.isfinite(alive[b])):
                     score = float(alive[b, k] / length_penalty(max_len, alpha))
                     complete[b].append((score, tgt[b * K + k, 1:].tolist()))

@@ -67,8 +67,9 @@ def beam_search(
 ):
     """Beam search: the best output per source by log p(Y | X) / length_penalty(|Y|, alpha), the algorithm of
     tfm_numpy.beam_search step for step (B * beam_size rows; the 2K best candidates; eos among the first K
-    completes a hypothesis; a source is done with K complete ones). Returns tokens (B, L), and with
-    return_scores=True also scores (B,) float64."""
+    completes a hypothesis; the K best complete ones are kept, and a source is done when the worst of them scores
+    at least the best live beam's log p / length_penalty(t, alpha): exact for alpha = 0, a heuristic bound for
+    alpha > 0). Returns tokens (B, L), and with return_scores=True also scores (B,) float64."""
     _check_args("beam_search", model, bos_id, eos_id, max_len)
     K = _check_int("beam_search", "beam_size", beam_size)
     if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not 0 <= alpha < math.inf:
@@ -81,6 +82,7 @@ def beam_search(
         alive = torch.full((B, K), -math.inf, dtype=torch.float64, device=dev)  # log p of each beam's prefix:
         alive[:, 0] = 0.0  # one live beam at first (the others would be copies of it)
         complete = [[] for _ in range(B)]  # per source: (score, tokens) of its complete hypotheses
+        done = [False] * B
         cache = {} if use_cache else None
         for t in range(1, max_len + 1):  # t = the length of the candidates
             logp = log_softmax(_next_logits(model, tgt, memory, src_mask, cache))  # (B*K, V)
@@ -91,19 +93,24 @@ def beam_search(
             beam, token = top // V, top % V
             is_eos = token == eos_id
             for b, r in (is_eos[:, :K] & torch.isfinite(top_logp[:, :K])).nonzero().tolist():
-                if len(complete[b]) < K:
+                if not done[b]:
                     tokens = [*tgt[b * K + beam[b, r], 1:].tolist(), eos_id]
                     complete[b].append((top_logp[b, r].item() / length_penalty(t, alpha), tokens))
+                    complete[b] = sorted(complete[b], key=lambda h: -h[0])[:K]  # the K best (stable)
             live = torch.sort(is_eos.to(torch.uint8), dim=1, stable=True).indices[:, :K]  # best K without eos
             beam, token, alive = (a.gather(1, live) for a in (beam, token, top_logp))
             rows = (torch.arange(B, device=dev)[:, None] * K + beam).reshape(-1)  # the row each new beam continues
             tgt = torch.cat([tgt[rows], token.reshape(-1, 1)], dim=1)
             if cache is not None:
                 cache = reorder_cache(cache, rows)
-            if all(len(c) >= K for c in complete):
+            best_live = (alive.max(dim=1).values / length_penalty(t, alpha)).tolist()
+            for b in range(B):  # done: K complete, the worst of them at least the best live beam's score now
+                if len(complete[b]) >= K and complete[b][-1][0] >= best_live[b]:
+                    done[b] = True
+            if all(done):
                 break
         for b in range(B):  # max_len reached: live beams count as complete, as they are
-            if len(complete[b]) < K:
+            if not done[b]:
                 for k in torch.isfinite(alive[b]).nonzero()[:, 0].tolist():
                     score = alive[b, k].item() / length_penalty(max_len, alpha)
                     complete[b].append((score, tgt[b * K + k, 1:].tolist()))
