@@ -447,6 +447,12 @@ class Bench:
         say(f"NumPy {nx['numpy']} ({nx['blas']}, BLAS threads: {nx['blas_threads']}); "
               f"torch {tx['torch']} ({tx['blas']}, torch.get_num_threads() = {tx['threads']})")  # fmt: skip
         say("Worker environment: " + " ".join(f"{k}={v}" for k, v in res["env"].items()))
+        if m["load_average"] and m["load_average"][0] > 0.5 * m["usable_cores"]:
+            say(
+                f"WARNING: the machine is busy (load {m['load_average'][0]:.1f} on {m['usable_cores']} cores): every "
+                "figure will be slow and noisy, and NumPy's multithreaded OpenBLAS suffers far more than torch (its "
+                "threads wait for each other while other processes hold the cores); --threads 1 is more robust"
+            )
         say(f"Each library in its own process, runs interleaved, {a.pause} s pause between them; "
               f"every figure the median of {self.repeats} repeats (matmul: the best).")  # fmt: skip
 
