@@ -86,6 +86,12 @@ def peak_memory_mb(fn, device: str) -> float | None:
     return (torch.cuda.max_memory_allocated() - before) / 2**20
 
 
+def describe_error(e: BaseException) -> str:
+    """The exception's type and the first line of its message (for the JSON and the progress lines)."""
+    lines = str(e).splitlines()
+    return f"{type(e).__name__}: {lines[0][:200] if lines else ''}"
+
+
 # -- 1. attention alone -----------------------------------------------------------------------------------------
 
 
@@ -151,8 +157,8 @@ def bench_attention(device: str, lengths: list[int], repeats: int, B=4, H=8, dk=
                 row = {"impl": name, "dtype": str(dtype).removeprefix("torch."), "T": T, "B": B, "H": H, "dk": dk}
                 try:
                     row.update(measure_attention(fn, q, k, v, mask, ref, device, repeats))
-                except (RuntimeError, TypeError) as e:  # no kernel for this dtype/backend, or out of memory
-                    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                except Exception as e:  # noqa: BLE001 - no kernel for this dtype/backend, out of memory: noted, go on
+                    row["error"] = describe_error(e)
                 rows.append(row)
                 fb = row.get("forward_backward", {}).get("median_ms")
                 note = f"fwd+bwd {fb:9.3f} ms" if fb is not None else row["error"][:90]
@@ -225,8 +231,8 @@ def bench_training(device: str, cases: list[tuple], repeats: int) -> list[dict]:
             row["step"] = time_ms(step, dev, repeats if dev.startswith("cuda") else max(3, repeats // 3))
             row["gflops"] = row["flops"] / (row["step"]["median_ms"] * 1e6)
             row["peak_memory_mb"] = peak_memory_mb(step, dev)
-        except RuntimeError as e:
-            row["error"] = f"RuntimeError: {str(e).splitlines()[0][:200]}"
+        except Exception as e:  # noqa: BLE001 - out of memory or anything else: noted in the JSON, go on
+            row["error"] = describe_error(e)
         finally:
             step = None
             if dev.startswith("cuda"):
