@@ -1,6 +1,7 @@
 """The book as a product: its table of contents, its stored outputs, its layout rules."""
 
 import ast
+import json
 import re
 import subprocess
 import sys
@@ -47,7 +48,7 @@ def test_notebook_is_committed_executed(path):
 def test_notebook_title_is_numbered(path):
     nb = nbformat.read(path, as_version=4)
     first = nb.cells[0].source.splitlines()[0]
-    number = int(path.name.split("_")[0])
+    number = re.fullmatch(r"0*(\d+[a-z]?)", path.name.split("_")[0]).group(1)  # "14a_x.ipynb" -> "14a"
     assert first.startswith(f"# {number}. "), f"{path.name} should open with '# {number}. Title', got {first!r}"
 
 
@@ -102,3 +103,14 @@ def test_dependencies_are_pinned():
     assert pins["torch"] == "2.13.0"
     assert pins["jupyter-book"].startswith("1.")
     assert all(v for v in pins.values())
+
+
+def test_stored_translator_results_match_chapter_14a():
+    """Chapter 14b reads chapter 14a's results from a file that 14a writes: the committed file must be the one
+    that 14a's stored outputs report, or 14b run alone would compare against another run."""
+    results = json.loads((ROOT / "chapters" / "results" / "translator_numpy.json").read_text(encoding="utf-8"))
+    nb = nbformat.read(ROOT / "chapters" / "14a_translator_numpy.ipynb", as_version=4)
+    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    line = f"exact match {results['exact_match']:.4f}, BLEU {results['bleu']:.2f}, {len(results['errors'])} errors"
+    assert f"wrote results/translator_numpy.json: {line}" in text
+    assert f"exact match: {results['exact_match']:.4f} ({len(results['errors'])} wrong)" in text
