@@ -11,8 +11,10 @@ It measures, and stores in one JSON file (read by chapter 15):
   1. attention alone, causal, batch 4, 8 heads, head size 64, as the length T grows (128 ... 8192), in float32 and
      bfloat16, forward and forward + backward, median of several CUDA-event timings, and the peak memory:
        explicit     softmax(Q K^T / sqrt(dk) masked) V, every (T x T) score matrix built in memory: the formula of
-                    our libraries (tfm_torch.scaled_dot_product_attention itself in float32; the same lines, written
-                    here, in bfloat16, which the library's input checks do not accept)
+                    our libraries in three lines, with torch.softmax (explicit_attention below), in both dtypes
+       explicit (tfm_torch)  tfm_torch.scaled_dot_product_attention itself, float32 only (its input checks do not
+                    accept bfloat16): the same formula with the softmax written out so that a row with nothing to
+                    attend to gets zeros, which costs more T x T temporaries (kept for the backward)
        sdpa         torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True), torch's choice of
                     kernel; and each backend forced in turn (flash, efficient, cudnn, math) where it runs;
   2. a whole training step (forward, cross-entropy, backward, Adam) of the tfm_torch Transformer at the paper's base
