@@ -27,7 +27,8 @@ def bound(x: float) -> str:
     """An error as the power of ten just above it ("< 1e-10"), or "0" for an exact zero.
 
     Errors near machine precision depend on the order of floating-point operations (BLAS kernels,
-    thread counts); their power of ten does not, so a re-run on another machine prints the same.
+    thread counts); their power of ten is much less sensitive to it, so a re-run on another machine
+    usually prints the same.
     """
     if x < 0 or x != x:
         raise ValueError(f"bound: expected a non-negative error, got {x}")

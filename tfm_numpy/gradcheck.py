@@ -6,9 +6,12 @@ central differences (L(x + h) - L(x - h)) / 2h, one entry at a time, give the nu
 A random w (not ones) makes every output entry matter with a different weight, so a gradient
 that is wrong only for some entries, or summed in the wrong order, cannot cancel out.
 
-Why float64: the numeric derivative has truncation error ~h^2 and rounding error ~u |L| / h,
-with u the unit roundoff. In float64 (u ~ 1e-16) h = 1e-6 makes both ~1e-10 relative; in
-float32 (u ~ 6e-8) the best possible is ~1e-3, which would hide real bugs. So float32 is refused.
+Why float64: the numeric derivative has truncation error ~h^2 |f'''| / 6 and rounding error
+~u |L| / h, with u the unit roundoff. In chapter 1's experiment, in float64 (u ~ 1e-16), the two
+balance near h ~ 1e-5 at ~1e-11 relative; the default h = 1e-6 sits on the rounding side, at
+~1e-10 (truncation alone would be below 1e-13 there), far below the tests' threshold of 1e-7. In
+float32 (u ~ 6e-8) the best possible is ~1e-5, and h = 1e-6 is off by ~10%: that would hide real
+bugs. So float32 is refused.
 """
 
 from __future__ import annotations
