@@ -1,0 +1,67 @@
+"""Argument checks shared by both tracks: one rule for sizes, flags and options, so the tracks accept and refuse
+the same things. No NumPy array or torch tensor is checked here (each track checks its own inputs); these are the
+constructor's plain Python arguments.
+
+Python ints and NumPy integers are accepted as sizes alike (`np.int64(8)` is a size; `8.0`, `True` and `"8"` are
+not): a size read off an array's shape is a NumPy integer, and refusing it would be pedantry, while a float size is
+almost always a bug (`d_model / n_heads`).
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+
+__all__ = ["check_size", "check_sizes", "check_flag", "check_choice", "check_seed"]
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def check_size(owner: str, arg: str, value, minimum: int = 1) -> int:
+    """An integer size >= `minimum`, returned as a Python int; the message names owner, argument and value."""
+    if not _is_int(value):
+        raise TypeError(f"{owner}: {arg} expected an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{owner}: {arg} must be an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def check_sizes(owner: str, minimum: int = 1, **sizes) -> dict[str, int]:
+    """`check_size` for several keyword arguments at once: {arg: int}."""
+    return {arg: check_size(owner, arg, value, minimum) for arg, value in sizes.items()}
+
+
+def check_flag(owner: str, arg: str, value) -> bool:
+    """True or False (Python or NumPy bool); 0, 1 and None are refused: a flag is not a number."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{owner}: {arg} expected True or False, got {value!r}")
+    return bool(value)
+
+
+def check_choice(owner: str, arg: str, value, choices) -> str:
+    """One of a fixed set of option strings."""
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{owner}: {arg} must be one of {tuple(choices)}, got {value!r}")
+    return value
+
+
+def check_seed(owner: str, value) -> int:
+    """A non-negative integer seed (Python or NumPy int), returned as a Python int."""
+    if not _is_int(value):
+        raise TypeError(f"{owner}: expected a numpy.random.Generator/torch.Generator, an int seed or None, "
+                        f"got {type(value).__name__}")  # fmt: skip
+    if value < 0:
+        raise ValueError(f"{owner}: a seed must be >= 0, got {value!r}")
+    return int(value)
+
+
+def check_real(owner: str, arg: str, value, low: float | None = None, high: float | None = None) -> float:
+    """A finite real number (not a bool) in [low, high] where given."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real) or not np.isfinite(value):
+        raise TypeError(f"{owner}: {arg} expected a finite float, got {value!r}")
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise ValueError(f"{owner}: {arg} must be in [{low}, {high}], got {value!r}")
+    return float(value)
