@@ -337,7 +337,7 @@ def test_embedding_backward_accumulates_repeated_ids_and_skips_padding():
 
 
 # -- the Module contract -----------------------------------------------------------------------------------------------
-def test_zero_grad_and_gradients_accumulate_across_backward_calls():
+def test_zero_grad_and_gradients_accumulate_across_forward_backward_pairs():
     rng = np.random.default_rng(0)
     ln = tn.LayerNorm(4, dtype=F64)
     x, g = rng.standard_normal((2, 4)), rng.standard_normal((2, 4))
@@ -345,7 +345,8 @@ def test_zero_grad_and_gradients_accumulate_across_backward_calls():
     ln.backward(g)
     once = {k: v.copy() for k, v in ln.grads().items()}
     assert all(np.abs(v).max() > 0 for v in once.values())
-    ln.backward(g)  # a second backward on the same forward adds, as torch's .grad does
+    ln(x)
+    ln.backward(g)  # a second forward-backward pair adds, as torch's .grad does
     for k, v in ln.grads().items():
         assert np.allclose(v, 2 * once[k], rtol=1e-15, atol=0)
     ln.zero_grad()

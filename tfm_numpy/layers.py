@@ -115,6 +115,8 @@ def _check_padding_idx(padding_idx, num_embeddings: int) -> int | None:
 class ReLU(Module):
     """y = max(x, 0); dy/dx = 1 where x > 0, else 0 (0 at x = 0 exactly, as torch)."""
 
+    _kept_inputs = ()  # backward needs only the mask it computes: no copy of x
+
     def forward(self, x: np.ndarray) -> np.ndarray:
         check_input("ReLU", x)
         mask = x > 0  # (N...) bool: where the gradient flows
@@ -175,6 +177,8 @@ class Dropout(Module):
     drawing one (to run two tracks, or a gradient check, with the same mask).
     """
 
+    _kept_inputs = ("mask",)  # x is not kept (scale is computed), and eval mode returns x itself
+
     def __init__(self, p: float = 0.5, *, rng=None):
         super().__init__()
         self.p = check_probability("Dropout", "p", p, allow_one=False)
@@ -222,6 +226,8 @@ class LayerNorm(Module):
     term removes the component along (1, ..., 1), the xhat term the component along xhat (both
     directions that the normalization cannot change).
     """
+
+    _kept_inputs = ()  # backward needs xhat and rstd, computed here: no copy of x
 
     def __init__(self, normalized_shape, eps: float = 1e-5, *, dtype=np.float32):
         super().__init__()

@@ -28,6 +28,8 @@ class CrossEntropyLoss(Module):
     zero gradient instead, so that an all-padding batch cannot poison training with nan.
     """
 
+    _kept_inputs = ()  # the cache holds log-probabilities and a new target array: no copy of (B, T, V) logits needed
+
     def __init__(self, ignore_index: int | None = None, label_smoothing: float = 0.0):
         super().__init__()
         if ignore_index is not None and (

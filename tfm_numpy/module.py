@@ -8,7 +8,10 @@ Parameter names and their order follow `torch.nn.Module`, so the torch twin's
 
 from __future__ import annotations
 
+import functools
+import inspect
 import numbers
+import threading
 from collections.abc import Iterator
 
 import numpy as np
@@ -53,18 +56,93 @@ def check_dtype(dtype) -> np.dtype:
     return dt
 
 
+# -- what a forward keeps, and what a backward may use once ---------------------------------------------------------
+#
+# A forward caches references to the arrays backward needs. If the caller changed one of *its* arrays in place
+# between forward and backward, the gradient would be silently wrong (torch refuses, with its version counters).
+# NumPy has no version counter, so the outermost call copies the caller's arrays once, at the library's boundary:
+# arrays made inside the library (every activation of a model) are never copied, only what the caller handed in
+# (a Transformer's token ids; a lone layer's input). `_copy_at_boundary` below does it for the methods named in
+# `_ENTRY_POINTS` of every Module subclass.
+_ENTRY_POINTS = ("forward", "encode", "decode", "decode_step", "forward_step")
+_BACKWARDS = ("backward", "decode_backward", "encode_backward")
+_CALLS = threading.local()  # .depth: how many entry points are running (0: the next call comes from the caller)
+
+
+def _copy_at_boundary(method, kept: tuple[str, ...] | None):
+    names = list(inspect.signature(method).parameters)[1:]  # without self
+
+    def copied(name: str, value):
+        keep = kept is None or name in kept
+        return np.array(value, copy=True) if keep and isinstance(value, np.ndarray) else value
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        depth = getattr(_CALLS, "depth", 0)
+        if depth == 0:
+            args = tuple(copied(names[i] if i < len(names) else "", a) for i, a in enumerate(args))
+            kwargs = {k: copied(k, v) for k, v in kwargs.items()}
+        _CALLS.depth = depth + 1
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            _CALLS.depth = depth
+
+    wrapper._at_boundary = True
+    return wrapper
+
+
+def _restore_on_error(method):
+    """A backward that fails (a wrong grad_out, say) leaves its module's cache usable for a corrected call."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        used = self.__dict__.get("_cache_used", False)
+        try:
+            return method(self, *args, **kwargs)
+        except BaseException:
+            object.__setattr__(self, "_cache_used", used)
+            raise
+
+    wrapper._at_boundary = True
+    return wrapper
+
+
 class Module:
-    """Base class of every NumPy layer: registers parameters and submodules on assignment."""
+    """Base class of every NumPy layer: registers parameters and submodules on assignment.
+
+    Two guarantees hold for every subclass, without code of its own:
+    - the arrays a caller passes to `forward` (and `encode`, `decode`, ...) are copied once at the outermost call
+      (`_kept_inputs` names the arguments a forward keeps for backward; None: all array arguments), so changing
+      them in place afterwards cannot corrupt the gradients;
+    - `backward` of a module with parameters uses a forward's cache once: a second backward without a new forward
+      raises RuntimeError instead of adding the same gradients into `.grad` again (torch refuses a second backward
+      through freed buffers the same way). A module without parameters (an activation, dropout, the loss) only
+      returns a gradient and adds nothing, so calling its backward again, e.g. with another grad_out, is allowed.
+    """
+
+    _kept_inputs: tuple[str, ...] | None = None
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        for name in _ENTRY_POINTS + _BACKWARDS:
+            method = cls.__dict__.get(name)
+            if callable(method) and not getattr(method, "_at_boundary", False):
+                wrap = _restore_on_error(method) if name in _BACKWARDS else _copy_at_boundary(method, cls._kept_inputs)
+                setattr(cls, name, wrap)
 
     def __init__(self) -> None:
         object.__setattr__(self, "_parameters", {})
         object.__setattr__(self, "_modules", {})
         object.__setattr__(self, "training", True)
         object.__setattr__(self, "_cache", None)
+        object.__setattr__(self, "_cache_used", False)
 
     def __setattr__(self, name: str, value) -> None:
         if "_parameters" not in self.__dict__:
             raise RuntimeError(f"{type(self).__name__}: call Module.__init__() before assigning attributes")
+        if name == "_cache":  # a new forward: its cache is fresh
+            object.__setattr__(self, "_cache_used", False)
         self._parameters.pop(name, None)
         self._modules.pop(name, None)
         if isinstance(value, Parameter):
@@ -84,10 +162,20 @@ class Module:
         return self.forward(*args, **kwargs)
 
     def _saved(self):
-        """What `forward` cached; a clear error when `backward` comes first."""
+        """What `forward` cached, for one backward; a clear error when `backward` comes first or comes twice."""
         if self._cache is None:
             raise RuntimeError(f"{type(self).__name__}.backward() called before forward()")
+        if self.__dict__.get("_cache_used", False) and self._has_parameters():
+            raise RuntimeError(
+                f"{type(self).__name__}.backward() called twice after one forward: this forward's gradients were "
+                "already added into .grad; run forward again first (to accumulate gradients over batches, "
+                "call forward and backward once per batch)"
+            )
+        object.__setattr__(self, "_cache_used", True)
         return self._cache
+
+    def _has_parameters(self) -> bool:
+        return next(self._named_parameters_all(), None) is not None
 
     # -- traversal ----------------------------------------------------------------------
     def named_modules(self, prefix: str = "") -> Iterator[tuple[str, Module]]:

@@ -47,6 +47,8 @@ class PositionalEncoding(Module):
     `offset` shifts the positions (decoding one token at a time with a cache).
     """
 
+    _kept_inputs = ()  # only x's shape is cached
+
     def __init__(self, d_model: int, max_len: int = 5000, dropout: float = 0.0, *, rng=None, dtype=np.float32):
         super().__init__()
         self.d_model, self.max_len, self.dtype = d_model, max_len, check_dtype(dtype)
@@ -75,6 +77,8 @@ class LearnedPositionalEmbedding(Module):
 
     Initialized N(0, 1) like `torch.nn.Embedding` (our Embedding too); the caller may rescale.
     """
+
+    _kept_inputs = ()  # only x's shape is cached
 
     def __init__(self, max_len: int, d_model: int, *, rng=None, dtype=np.float32):
         super().__init__()
