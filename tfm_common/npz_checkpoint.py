@@ -7,8 +7,15 @@ loading it can never run code:
     model/<state_dict key>     one array per entry of the model's state_dict (a tied weight under each name)
     optim/exp_avg/<i>          Adam's first moment of parameter i (in the optimizer's parameter order)
     optim/exp_avg_sq/<i>       Adam's second moment of parameter i
-    __meta__                   a 0-d unicode array holding JSON: format, version, the writing track, the
-                               optimizer's scalars (step, lr, betas, eps, weight_decay) and the user's `extra`
+    __meta__                   a 0-d unicode array holding JSON: format, version, the writing track, the library
+                               version, the model's class, constructor configuration and dtype (`describe_model`),
+                               the optimizer's scalars (step, lr, betas, eps, weight_decay) and the user's `extra`
+
+Version 2 (this one) records the model's configuration, and loading refuses a model built differently
+(`check_model_config`): a tied weight is stored under each of its names, so keys and shapes alone cannot tell a
+`tie_output=False` file from a `tie_output=True` model. Version 1 files (no configuration) still load into a model
+the caller builds; `check_ties` then still refuses a file whose aliases of one tied weight hold different values.
+Every field of `__meta__` is checked (type, range, agreement with the arrays present) before anything is allocated.
 
 Errors are clear at this boundary: a truncated or corrupted file, a file that is not a checkpoint, a missing
 or unexpected key (KeyError, naming it) and a wrong shape (ValueError, naming the key and both shapes).
@@ -16,18 +23,29 @@ or unexpected key (KeyError, naming it) and a wrong shape (ValueError, naming th
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import math
+import numbers
 import os
 import tempfile
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
 __all__ = [
     "FORMAT",
     "VERSION",
+    "READABLE_VERSIONS",
+    "NpzContents",
+    "library_version",
+    "describe_model",
+    "check_model_config",
+    "check_ties",
+    "check_optim_meta",
     "META_KEY",
     "normalize_extra",
     "check_state",
@@ -38,9 +56,70 @@ __all__ = [
 ]
 
 FORMAT = "transformer-twice-checkpoint"
-VERSION = 1
+VERSION = 2
+READABLE_VERSIONS = (1, 2)
 META_KEY = "__meta__"
 OPTIM_SCALARS = ("step", "lr", "betas", "eps", "weight_decay")
+DTYPES = ("float32", "float64")
+
+
+class NpzContents(NamedTuple):
+    """What `read_npz` returns: the model state, the optimizer state (or None), `extra`, and the model's
+    description (`describe_model`'s dict, or None for a version-1 file or a model without a configuration)."""
+
+    model: dict
+    optim: dict | None
+    extra: dict
+    model_meta: dict | None
+
+
+def library_version() -> str:
+    """The installed version of this project's package, recorded in every checkpoint."""
+    try:
+        return importlib.metadata.version("transformer-twice")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def describe_model(model, dtype: str) -> dict | None:
+    """{"class", "config", "dtype"} of a model that keeps its constructor's arguments in `model.config` (a dict of
+    JSON values, as `Transformer` does); None for a model without one (a lone layer: keys and shapes say it all)."""
+    config = getattr(model, "config", None)
+    if not isinstance(config, dict):
+        return None
+    return {"class": type(model).__name__, "config": json.loads(json.dumps(config)), "dtype": dtype}
+
+
+def check_model_config(stored: dict | None, own: dict | None, name: str, path) -> None:
+    """Refuse a checkpoint written by a model of another class or configuration, naming the options that differ."""
+    if stored is None or own is None:
+        return  # a version-1 file, or a model without a config: the caller vouches for the configuration
+    if stored["class"] != own["class"]:
+        raise ValueError(f"{name}: {os.fspath(path)!r} holds a {stored['class']}, the model is a {own['class']}")
+    a, b = stored["config"], own["config"]
+    absent = "<absent>"
+    diff = [f"{k}={a.get(k, absent)!r} in the file, {b.get(k, absent)!r} in the model"
+            for k in sorted(set(a) | set(b)) if a.get(k, absent) != b.get(k, absent)]  # fmt: skip
+    if diff:
+        raise ValueError(
+            f"{name}: {os.fspath(path)!r} was written by a {stored['class']} configured differently: "
+            + "; ".join(diff)
+            + ". Build the model with the file's configuration, or use load_model(path)"
+        )
+
+
+def check_ties(groups: list[list[str]], state: dict, equal: Callable, name: str) -> None:
+    """Each group lists the names of one tied parameter of the model; the file must hold one value under all of
+    them. Different values mean the file comes from a model without that tie: refuse rather than pick one."""
+    for keys in groups:
+        present = [k for k in keys if k in state]
+        for k in present[1:]:
+            if not equal(state[present[0]], state[k]):
+                raise ValueError(
+                    f"{name}: '{present[0]}' and '{k}' are one tied parameter in this model, but the checkpoint holds "
+                    "different values for them: it was written by a model without this tie (tie_output / "
+                    "share_embeddings differ)"
+                )
 
 
 def normalize_extra(extra, name: str) -> dict:
@@ -102,12 +181,16 @@ def zip_kind(path) -> str:
     return "other"
 
 
-def write_npz(path, model_state: dict, optim_state: dict | None, extra, track: str, name: str) -> Path:
+def write_npz(
+    path, model_state: dict, optim_state: dict | None, extra, track: str, name: str, model_meta: dict | None = None
+) -> Path:
     """Write the format above. model_state: {key: array}; optim_state: None or an Adam state in the NumPy
-    track's form {"step", "lr", "betas", "eps", "weight_decay", "exp_avg": [arrays], "exp_avg_sq": [arrays]}."""
+    track's form {"step", "lr", "betas", "eps", "weight_decay", "exp_avg": [arrays], "exp_avg_sq": [arrays]};
+    model_meta: `describe_model(model, dtype)`."""
     extra = normalize_extra(extra, name)
     arrays = {f"model/{k}": np.asarray(v) for k, v in model_state.items()}
-    meta = {"format": FORMAT, "version": VERSION, "track": track, "model_keys": list(model_state), "extra": extra}
+    meta = {"format": FORMAT, "version": VERSION, "track": track, "library_version": library_version(),
+            "model": model_meta, "model_keys": list(model_state), "extra": extra}  # fmt: skip
     if optim_state is not None:
         m, v = optim_state["exp_avg"], optim_state["exp_avg_sq"]
         if len(m) != len(v):
@@ -123,11 +206,14 @@ def write_npz(path, model_state: dict, optim_state: dict | None, extra, track: s
     return atomic_write(path, lambda f: np.savez(f, allow_pickle=False, **arrays), name)
 
 
-def read_npz(path, name: str) -> tuple[dict, dict | None, dict]:
-    """Read the format above: (model state {key: array}, optim state in the NumPy track's form or None, extra).
+def read_npz(path, name: str) -> NpzContents:
+    """Read the format above: `NpzContents(model, optim, extra, model_meta)`; optim in the NumPy track's form.
 
-    Every array is read here, inside one try, so a damaged file fails with one clear ValueError."""
+    Every array is read here, inside one try, so a damaged file fails with one clear ValueError; every field of
+    `__meta__` is checked before anything is built from it."""
     path = os.fspath(path)
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"{name}: {path!r} is a directory, not a checkpoint file")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{name}: no such checkpoint file {path!r}")
     kind = zip_kind(path)
@@ -148,35 +234,20 @@ def read_npz(path, name: str) -> tuple[dict, dict | None, dict]:
         ) from e
     if META_KEY not in arrays:
         raise ValueError(f"{name}: {path!r} is an .npz file but not a checkpoint: no '{META_KEY}' entry")
-    try:
-        meta = json.loads(str(arrays.pop(META_KEY)[()]))
-    except (ValueError, IndexError) as e:
-        raise ValueError(f"{name}: {path!r}: '{META_KEY}' is not valid JSON: {e}") from e
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
-        raise ValueError(f"{name}: {path!r}: not a {FORMAT} file (format {got!r})")
-    if meta.get("version") != VERSION:
-        raise ValueError(f"{name}: {path!r}: format version {meta.get('version')!r}, this code reads {VERSION}")
+    meta = _read_meta(arrays.pop(META_KEY), path, name)
     model = {k[len("model/") :]: a for k, a in arrays.items() if k.startswith("model/")}
     optim = None
     if meta.get("optim") is not None:
-        absent = [k for k in (*OPTIM_SCALARS, "n_params") if k not in meta["optim"]]
-        if absent:
-            raise KeyError(f"{name}: {path!r}: optimizer scalars missing from '{META_KEY}': {absent}")
-        n = meta["optim"]["n_params"]
-        optim = {k: meta["optim"][k] for k in OPTIM_SCALARS}
-        for part in ("exp_avg", "exp_avg_sq"):
-            keys = [f"optim/{part}/{i}" for i in range(n)]
-            absent = [k for k in keys if k not in arrays]
-            if absent:
-                raise KeyError(f"{name}: {path!r}: optimizer entries missing from the file: {absent}")
-            optim[part] = [arrays[k] for k in keys]
+        n = check_optim_meta(meta["optim"], _count_optim(arrays), f"{name}: {path!r}")
+        optim = {k: meta["optim"][k] for k in OPTIM_SCALARS} | {
+            part: [arrays[f"optim/{part}/{i}"] for i in range(n)] for part in ("exp_avg", "exp_avg_sq")
+        }
     known = {f"model/{k}" for k in model}
     if optim is not None:
         known |= {f"optim/{part}/{i}" for part in ("exp_avg", "exp_avg_sq") for i in range(len(optim["exp_avg"]))}
     stray = [k for k in arrays if k not in known]
     if stray:
-        raise KeyError(f"{name}: {path!r}: unexpected entries in the file: {stray}")
+        raise KeyError(f"{name}: {path!r}: unexpected entries in the file: {stray[:10]}")
     recorded = meta.get("model_keys", list(model))
     if set(model) != set(recorded):
         missing = [k for k in recorded if k not in model]
@@ -185,4 +256,88 @@ def read_npz(path, name: str) -> tuple[dict, dict | None, dict]:
             f"{name}: {path!r}: the model entries differ from the keys recorded in '{META_KEY}': "
             f"missing {missing}, not recorded {unrecorded}"
         )
-    return model, optim, meta.get("extra") or {}
+    return NpzContents(model, optim, meta.get("extra") or {}, meta.get("model"))
+
+
+def _read_meta(raw: np.ndarray, path: str, name: str) -> dict:
+    where = f"{name}: {path!r}: '{META_KEY}'"
+    if raw.dtype.kind != "U" or raw.ndim != 0:
+        raise ValueError(f"{where} must be a 0-d string array, got dtype {raw.dtype} and shape {raw.shape}")
+    try:
+        meta = json.loads(str(raw[()]))
+    except ValueError as e:
+        raise ValueError(f"{where} is not valid JSON: {e}") from e
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise ValueError(f"{name}: {path!r}: not a {FORMAT} file (format {got!r})")
+    if meta.get("version") not in READABLE_VERSIONS:
+        raise ValueError(
+            f"{name}: {path!r}: format version {meta.get('version')!r}, this code reads {READABLE_VERSIONS}"
+        )
+    check_meta_fields(meta, where)
+    return meta
+
+
+def check_meta_fields(meta: dict, where: str) -> None:
+    """Types of the fields both formats share: model_keys, extra, model (the description)."""
+    keys = meta.get("model_keys", [])
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+        raise ValueError(f"{where}: model_keys must be a list of strings, got {type(keys).__name__}")
+    if not isinstance(meta.get("extra") or {}, dict):
+        raise ValueError(f"{where}: extra must be a dict, got {type(meta.get('extra')).__name__}")
+    check_model_meta(meta.get("model"), where)
+
+
+def check_model_meta(m, where: str) -> None:
+    if m is None:
+        return
+    if not isinstance(m, dict) or set(m) != {"class", "config", "dtype"}:
+        raise ValueError(f"{where}: model must be a dict with keys class, config, dtype, got {m!r:.200}")
+    if not isinstance(m["class"], str) or not m["class"].isidentifier():
+        raise ValueError(f"{where}: model class must be a class name, got {m['class']!r:.100}")
+    if not isinstance(m["config"], dict) or not all(isinstance(k, str) for k in m["config"]):
+        raise ValueError(f"{where}: model config must be a dict of options, got {m['config']!r:.200}")
+    if m["dtype"] not in DTYPES:
+        raise ValueError(f"{where}: model dtype must be one of {DTYPES}, got {m['dtype']!r:.50}")
+
+
+def _count_optim(arrays: dict) -> dict[str, int]:
+    return {part: sum(k.startswith(f"optim/{part}/") for k in arrays) for part in ("exp_avg", "exp_avg_sq")}
+
+
+def _real(x, low: float, high: float | None = None, high_open: bool = False) -> bool:
+    if isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(x) or x < low:
+        return False
+    return high is None or (x < high if high_open else x <= high)
+
+
+def check_optim_meta(o, present: dict[str, int], where: str) -> int:
+    """Validate Adam's recorded scalars and parameter count against the arrays actually in the file, before any
+    list or array is built from them (a crafted n_params = 10**10 must not allocate). Returns n_params."""
+    if not isinstance(o, dict):
+        raise ValueError(f"{where}: optimizer metadata must be a dict, got {type(o).__name__}")
+    absent = [k for k in (*OPTIM_SCALARS, "n_params") if k not in o]
+    if absent:
+        raise KeyError(f"{where}: optimizer scalars missing from '{META_KEY}': {absent}")
+    n = o["n_params"]
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"{where}: optimizer n_params must be an int >= 0, got {n!r:.50}")
+    if present["exp_avg"] != n or present["exp_avg_sq"] != n:
+        raise KeyError(
+            f"{where}: optimizer n_params={n}, but the file holds {present['exp_avg']} exp_avg and "
+            f"{present['exp_avg_sq']} exp_avg_sq arrays"
+        )
+    step, betas = o["step"], o["betas"]
+    checks = {
+        "step (an int >= 0)": not isinstance(step, bool) and isinstance(step, int) and step >= 0,
+        "lr (a finite float >= 0)": _real(o["lr"], 0.0),
+        "betas (two floats in [0, 1))": isinstance(betas, list) and len(betas) == 2
+        and all(_real(b, 0.0, 1.0, high_open=True) for b in betas),
+        "eps (a finite float > 0)": _real(o["eps"], 0.0) and o["eps"] > 0,
+        "weight_decay (a finite float >= 0)": _real(o["weight_decay"], 0.0),
+    }  # fmt: skip
+    bad = [what for what, ok in checks.items() if not ok]
+    if bad:
+        raise ValueError(f"{where}: invalid optimizer metadata: " + ", ".join(
+            f"{w.split()[0]}={o[w.split()[0]]!r:.50} must be {w[w.index('(') + 1 : -1]}" for w in bad))  # fmt: skip
+    return n

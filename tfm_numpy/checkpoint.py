@@ -15,12 +15,22 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tfm_common.npz_checkpoint import check_state, read_npz, write_npz
+import numpy as np
+
+from tfm_common.npz_checkpoint import (
+    NpzContents,
+    check_model_config,
+    check_state,
+    check_ties,
+    describe_model,
+    read_npz,
+    write_npz,
+)
 
 from .module import Module
 from .optim import Adam
 
-__all__ = ["save_checkpoint", "load_checkpoint"]
+__all__ = ["save_checkpoint", "load_checkpoint", "load_model", "tied_groups"]
 
 
 def save_checkpoint(path, model: Module, optimizer: Adam | None = None, extra: dict | None = None) -> Path:
@@ -31,27 +41,74 @@ def save_checkpoint(path, model: Module, optimizer: Adam | None = None, extra: d
     if optimizer is not None and not isinstance(optimizer, Adam):
         raise TypeError(f"save_checkpoint: optimizer expected a tfm_numpy Adam or None, got {type(optimizer).__name__}")
     optim = optimizer.state_dict() if optimizer is not None else None
-    return write_npz(path, model.state_dict(), optim, extra, track="numpy", name="save_checkpoint")
+    meta = describe_model(model, str(model.param_dtype))
+    return write_npz(path, model.state_dict(), optim, extra, track="numpy", name="save_checkpoint", model_meta=meta)
 
 
 def load_checkpoint(path, model: Module, optimizer: Adam | None = None) -> dict:
     """Load an `.npz` checkpoint (written by either track) into `model` (and `optimizer`); return its `extra`.
 
-    Everything is checked before anything changes: a missing or unexpected key raises KeyError naming it, a
-    shape mismatch ValueError naming the key and both shapes, a damaged file ValueError. Arrays are cast to
-    the model's dtype (a float64 file loads into a float32 model); the same dtype round-trips bit for bit.
+    Everything is checked before anything changes: a model of another class or configuration (the file records
+    it) raises ValueError naming the options that differ; a missing or unexpected key KeyError naming it; a shape
+    mismatch ValueError naming the key and both shapes; two names of one tied weight holding different values
+    ValueError; a damaged file ValueError. Arrays are cast to the model's dtype (a float64 file loads into a
+    float32 model); the same dtype round-trips bit for bit. A version-1 file (no configuration recorded) loads
+    into the model you built: its configuration is yours to get right.
     """
     name = "load_checkpoint"
     if not isinstance(model, Module):
         raise TypeError(f"{name}: model expected a tfm_numpy Module, got {type(model).__name__}")
     if optimizer is not None and not isinstance(optimizer, Adam):
         raise TypeError(f"{name}: optimizer expected a tfm_numpy Adam or None, got {type(optimizer).__name__}")
-    state, optim, extra = read_npz(path, name)
+    return _load_into(read_npz(path, name), model, optimizer, path, name)
+
+
+def load_model(path, dtype=None) -> Module:
+    """A new model built from the configuration recorded in the checkpoint, with its weights: no need to know
+    how it was built. `dtype` (float32 or float64) overrides the recorded one. For the optimizer state and
+    `extra`, call `load_checkpoint(path, model, optimizer)` on the result."""
+    name = "load_model"
+    contents = read_npz(path, name)
+    model = build_model(contents.model_meta, dtype, path, name)
+    _load_into(contents, model, None, path, name)
+    return model
+
+
+def build_model(meta: dict | None, dtype, path, name: str) -> Module:
+    """The bare model that `meta` (`describe_model`'s dict) describes, in `dtype` (the recorded one if None)."""
+    import tfm_numpy  # the package's public classes: a checkpoint names one of them, never arbitrary code
+
+    if meta is None:
+        raise ValueError(
+            f"{name}: {str(path)!r} records no model configuration (a version-1 file, or a model without a `config`): "
+            "build the model yourself and call load_checkpoint(path, model); saving it again writes a version-2 file"
+        )
+    cls = getattr(tfm_numpy, meta["class"], None)
+    if not (isinstance(cls, type) and issubclass(cls, Module)):
+        raise ValueError(f"{name}: {str(path)!r} names a model class {meta['class']!r} that tfm_numpy does not have")
+    try:
+        return cls(**meta["config"], dtype=np.dtype(meta["dtype"] if dtype is None else dtype))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{name}: cannot build {meta['class']} from the configuration in {str(path)!r}: {e}") from e
+
+
+def tied_groups(model: Module) -> list[list[str]]:
+    """The state_dict names of each parameter that appears under more than one name (a tied weight)."""
+    names: dict[int, list[str]] = {}
+    for key, p in model._named_parameters_all():
+        names.setdefault(id(p), []).append(key)
+    return [keys for keys in names.values() if len(keys) > 1]
+
+
+def _load_into(contents: NpzContents, model: Module, optimizer: Adam | None, path, name: str) -> dict:
+    state, optim, extra, stored = contents
+    check_model_config(stored, describe_model(model, str(model.param_dtype)), name, path)
     own = model.state_dict()
     check_state({k: v.shape for k, v in own.items()}, {k: v.shape for k, v in state.items()}, name)
     for k, v in state.items():
         if v.dtype.kind != "f":
             raise TypeError(f"{name}: model key '{k}' holds {v.dtype} values, expected floats")
+    check_ties(tied_groups(model), state, np.array_equal, name)
     if optimizer is not None:
         if optim is None:
             raise KeyError(f"{name}: {str(path)!r} holds no optimizer state (saved without an optimizer)")

@@ -25,16 +25,22 @@ from torch import nn
 
 from tfm_common.npz_checkpoint import (
     FORMAT,
+    READABLE_VERSIONS,
     VERSION,
     atomic_write,
+    check_meta_fields,
+    check_model_config,
     check_state,
+    check_ties,
+    describe_model,
+    library_version,
     normalize_extra,
     read_npz,
     write_npz,
     zip_kind,
 )
 
-__all__ = ["save_checkpoint", "load_checkpoint", "export_npz"]
+__all__ = ["save_checkpoint", "load_checkpoint", "load_model", "export_npz", "tied_groups"]
 
 
 def _check_args(name: str, model, optimizer) -> None:
@@ -53,6 +59,8 @@ def save_checkpoint(path, model: nn.Module, optimizer: torch.optim.Optimizer | N
         "format": FORMAT,
         "version": VERSION,
         "track": "torch",
+        "library_version": library_version(),
+        "model_meta": describe_model(model, _dtype_name(model)),
         "model": model.state_dict(),
         "optim": optimizer.state_dict() if optimizer is not None else None,
         "extra": normalize_extra(extra, name),
@@ -64,36 +72,97 @@ def load_checkpoint(path, model: nn.Module, optimizer: torch.optim.Optimizer | N
     """Load a checkpoint of either track into `model` (and `optimizer`); return its `extra` dict.
 
     A torch file is read with `weights_only=True`; an `.npz` (from `tfm_numpy.save_checkpoint` or `export_npz`)
-    with numpy, `allow_pickle=False`. Everything is checked before anything changes: a missing or unexpected key
-    raises KeyError naming it, a shape mismatch ValueError naming the key and both shapes, a damaged file
-    ValueError. Values are cast to the model's dtype; the same dtype round-trips bit for bit.
+    with numpy, `allow_pickle=False`. Everything is checked before anything changes: a model of another class or
+    configuration (the file records it) raises ValueError naming the options that differ; a missing or unexpected
+    key KeyError naming it; a shape mismatch ValueError naming the key and both shapes; two names of one tied
+    weight holding different values ValueError; a damaged file ValueError. Values are cast to the model's dtype;
+    the same dtype round-trips bit for bit. A version-1 file (no configuration recorded) loads into the model you
+    built: its configuration is yours to get right.
     """
     name = "load_checkpoint"
     _check_args(name, model, optimizer)
+    return _load_into(_read_any(path, name), model, optimizer, path, name)
+
+
+def load_model(path, dtype: torch.dtype | None = None) -> nn.Module:
+    """A new model built from the configuration recorded in the checkpoint (either track's format), with its
+    weights. `dtype` (torch.float32 or torch.float64) overrides the recorded one. For the optimizer state and
+    `extra`, call `load_checkpoint(path, model, optimizer)` on the result."""
+    name = "load_model"
+    contents = _read_any(path, name)
+    model = _build_model(contents[3], dtype, path, name)
+    _load_into(contents, model, None, path, name)
+    return model
+
+
+def tied_groups(model: nn.Module) -> list[list[str]]:
+    """The state_dict names of each parameter that appears under more than one name (a tied weight)."""
+    names: dict[int, list[str]] = {}
+    for key, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(key)
+    return [keys for keys in names.values() if len(keys) > 1]
+
+
+def _read_any(path, name: str) -> tuple:
+    """(state {key: tensor}, optimizer state dict in torch's form or a NumPy-form dict or None, extra, model meta,
+    "npz" | "torch")."""
+    if os.path.isdir(os.fspath(path)):
+        raise IsADirectoryError(f"{name}: {os.fspath(path)!r} is a directory, not a checkpoint file")
     if not os.path.isfile(os.fspath(path)):
         raise FileNotFoundError(f"{name}: no such checkpoint file {os.fspath(path)!r}")
     if zip_kind(path) == "npz":
-        state_np, optim_np, extra = read_npz(path, name)
-        state = {k: torch.from_numpy(v) for k, v in state_np.items()}
-        optim_sd = None
-        if optimizer is not None:
-            if optim_np is None:
-                raise KeyError(f"{name}: {os.fspath(path)!r} holds no optimizer state (saved without an optimizer)")
-            optim_sd = _adam_from_numpy(optimizer, optim_np, name)
-    else:
-        state, optim_sd, extra = _read_torch(path, name)
-        if optimizer is not None and optim_sd is None:
-            raise KeyError(f"{name}: {os.fspath(path)!r} holds no optimizer state (saved without an optimizer)")
+        state_np, optim_np, extra, meta = read_npz(path, name)
+        return {k: torch.from_numpy(v) for k, v in state_np.items()}, optim_np, extra, meta, "npz"
+    return (*_read_torch(path, name), "torch")
+
+
+def _build_model(meta: dict | None, dtype, path, name: str) -> nn.Module:
+    import tfm_torch  # the package's public classes: a checkpoint names one of them, never arbitrary code
+
+    if meta is None:
+        raise ValueError(
+            f"{name}: {os.fspath(path)!r} records no model configuration (a version-1 file, or a model without a "
+            "`config`): build the model yourself and call load_checkpoint(path, model); saving it again writes a "
+            "version-2 file"
+        )
+    cls = getattr(tfm_torch, meta["class"], None)
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise ValueError(
+            f"{name}: {os.fspath(path)!r} names a model class {meta['class']!r} that tfm_torch does not have"
+        )
+    dtype = getattr(torch, meta["dtype"]) if dtype is None else dtype
+    try:
+        return cls(**meta["config"], dtype=dtype)
+    except (TypeError, ValueError) as e:
+        raise ValueError(
+            f"{name}: cannot build {meta['class']} from the configuration in {os.fspath(path)!r}: {e}"
+        ) from e
+
+
+def _load_into(contents: tuple, model: nn.Module, optimizer, path, name: str) -> dict:
+    state, optim, extra, stored, kind = contents
+    check_model_config(stored, describe_model(model, _dtype_name(model)), name, path)
     own = model.state_dict()
     check_state({k: tuple(v.shape) for k, v in own.items()}, {k: tuple(v.shape) for k, v in state.items()}, name)
     for k, v in state.items():
         if not torch.is_tensor(v) or not v.is_floating_point():
             raise TypeError(f"{name}: model key '{k}' holds {getattr(v, 'dtype', type(v).__name__)}, expected floats")
+    check_ties(tied_groups(model), state, torch.equal, name)
+    optim_sd = None
     if optimizer is not None:
+        if optim is None:
+            raise KeyError(f"{name}: {os.fspath(path)!r} holds no optimizer state (saved without an optimizer)")
+        optim_sd = _adam_from_numpy(optimizer, optim, name) if kind == "npz" else optim
         _check_optim_state(optimizer, optim_sd, name)
+    if optim_sd is not None:
         optimizer.load_state_dict(optim_sd)
-    model.load_state_dict(state)  # keys and shapes were checked above: this cannot fail half-way
+    model.load_state_dict(state)  # keys, shapes and ties were checked above: this cannot fail half-way
     return extra
+
+
+def _dtype_name(model: nn.Module) -> str:
+    floats = [p.dtype for p in model.parameters() if p.is_floating_point()]
+    return str(floats[0]).removeprefix("torch.") if floats else "float32"
 
 
 def export_npz(path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, extra=None) -> Path:
@@ -103,7 +172,8 @@ def export_npz(path, model: nn.Module, optimizer: torch.optim.Optimizer | None =
     _check_args(name, model, optimizer)
     state = {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
     optim = _adam_to_numpy(optimizer, name) if optimizer is not None else None
-    return write_npz(path, state, optim, extra, track="torch", name=name)
+    meta = describe_model(model, _dtype_name(model))
+    return write_npz(path, state, optim, extra, track="torch", name=name, model_meta=meta)
 
 
 # -- torch files -----------------------------------------------------------------------------------------------
@@ -119,16 +189,17 @@ def _read_torch(path, name: str):
         ) from e
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise ValueError(f"{name}: {os.fspath(path)!r} is not a {FORMAT} file (written by save_checkpoint)")
-    if ckpt.get("version") != VERSION:
+    if ckpt.get("version") not in READABLE_VERSIONS:
         raise ValueError(
-            f"{name}: {os.fspath(path)!r}: format version {ckpt.get('version')!r}, this code reads {VERSION}"
+            f"{name}: {os.fspath(path)!r}: format version {ckpt.get('version')!r}, this code reads {READABLE_VERSIONS}"
         )
     missing = [k for k in ("model", "optim", "extra") if k not in ckpt]
     if missing:
         raise KeyError(f"{name}: {os.fspath(path)!r}: entries missing from the checkpoint: {missing}")
     if not isinstance(ckpt["model"], dict):
         raise ValueError(f"{name}: {os.fspath(path)!r}: 'model' is a {type(ckpt['model']).__name__}, not a state dict")
-    return ckpt["model"], ckpt["optim"], ckpt["extra"] or {}
+    check_meta_fields({"extra": ckpt["extra"], "model": ckpt.get("model_meta")}, f"{name}: {os.fspath(path)!r}")
+    return ckpt["model"], ckpt["optim"], ckpt["extra"] or {}, ckpt.get("model_meta")
 
 
 def _check_optim_state(optimizer: torch.optim.Optimizer, sd, name: str) -> None:
