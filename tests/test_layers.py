@@ -451,8 +451,8 @@ def test_bad_inputs_raise_clear_errors(lib, make, call, exc, match):
 @pytest.mark.parametrize(
     "build, exc, match",
     [
-        (lambda L: L.Linear(0, 3), ValueError, "Linear: features must be positive"),
-        (lambda L: L.Embedding(0, 3), ValueError, "num_embeddings=0"),
+        (lambda L: L.Linear(0, 3), ValueError, "Linear: in_features must be an int >= 1, got 0"),
+        (lambda L: L.Embedding(0, 3), ValueError, "Embedding: num_embeddings must be an int >= 1, got 0"),
         (lambda L: L.Embedding(5, 3, padding_idx=5), ValueError, r"padding_idx must be in \[-5, 5\), got 5"),
         (lambda L: L.Embedding(5, 3, padding_idx=1.0), TypeError, "padding_idx expected an int"),
         (lambda L: L.GELU(approximate="exact"), ValueError, "approximate must be 'none' or 'tanh', got 'exact'"),
@@ -461,7 +461,7 @@ def test_bad_inputs_raise_clear_errors(lib, make, call, exc, match):
         (lambda L: L.Dropout("0.1"), TypeError, "Dropout: p expected a float, got str"),
         (lambda L: L.Dropout(0.1, rng="seed"), TypeError, "rng: expected"),
         (lambda L: L.LayerNorm(4, eps=0.0), ValueError, "LayerNorm: eps must be > 0"),
-        (lambda L: L.LayerNorm(0), ValueError, "normalized_shape must be positive"),
+        (lambda L: L.LayerNorm(0), ValueError, "LayerNorm: normalized_shape must be an int >= 1, got 0"),
         (lambda L: L.Linear(2, 2, dtype=np.int32 if L is tn else torch.int32), TypeError, "dtype: expected"),
     ],
 )

@@ -79,7 +79,7 @@ def test_pe_dtypes_and_bad_sizes(lib):
     assert pe.dtype in (np.float32, torch.float32)
     with pytest.raises(ValueError, match="even d_model"):
         lib.sinusoidal_positional_encoding(10, 7)
-    with pytest.raises(ValueError, match="max_len=0"):
+    with pytest.raises(ValueError, match="max_len must be an int >= 1, got 0"):
         lib.sinusoidal_positional_encoding(0, 8)
 
 

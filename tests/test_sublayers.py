@@ -264,8 +264,8 @@ BAD = {
     "ff activation": (lambda lib: lib.PositionwiseFeedForward(8, 16, activation="swish"), ValueError, "activation"),
     "heads": (lambda lib: lib.DecoderLayer(8, 3, 16), ValueError, "divisible by n_heads=3"),
     "norm_first": (lambda lib: lib.EncoderLayer(8, 2, 16, norm_first="yes"), TypeError, "norm_first expected True"),
-    "d_ff": (lambda lib: lib.EncoderLayer(8, 2, 0), ValueError, "d_ff must be a positive int"),
-    "n_layers": (lambda lib: lib.Encoder(0, 8, 2, 16), ValueError, "n_layers must be a positive int"),
+    "d_ff": (lambda lib: lib.EncoderLayer(8, 2, 0), ValueError, "d_ff must be an int >= 1, got 0"),
+    "n_layers": (lambda lib: lib.Encoder(0, 8, 2, 16), ValueError, "n_layers must be an int >= 1, got 0"),
     "final_norm": (lambda lib: lib.Decoder(1, 8, 2, 16, final_norm=1), TypeError, "final_norm expected True"),
     "dropout": (lambda lib: lib.EncoderLayer(8, 2, 16, dropout=1.0), ValueError, r"p must be in \[0, 1\)"),
 }

@@ -492,8 +492,8 @@ BAD_CONFIG = {
     "dropout": (dict(dropout=1.5), ValueError, r"dropout must be in \[0, 1\)"),
     "norm_first": (dict(norm_first=None), TypeError, "norm_first expected True or False"),
     "tie_output": (dict(tie_output="yes"), TypeError, "tie_output expected True or False"),
-    "n_layers": (dict(n_layers=0), ValueError, "n_layers must be a positive int"),
-    "max_len": (dict(max_len=0), ValueError, "max_len must be a positive int"),
+    "n_layers": (dict(n_layers=0), ValueError, "n_layers must be an int >= 1, got 0"),
+    "max_len": (dict(max_len=0), ValueError, "max_len must be an int >= 1, got 0"),
 }
 
 

@@ -23,7 +23,18 @@ import numpy as np
 
 from .data import PAD_ID, Batch, Vocab
 
-__all__ = ["History", "StepResult", "Evaluation", "batch_stream", "evaluate_pairs"]
+__all__ = ["check_finite_step", "History", "StepResult", "Evaluation", "batch_stream", "evaluate_pairs"]
+
+
+def check_finite_step(loss: float, grad_norm: float) -> None:
+    """Before the optimizer step: a non-finite loss or gradient would turn finite weights into NaN and move the
+    step count. Raise instead, so the model, the optimizer's state and its step count stay as they were."""
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        raise FloatingPointError(
+            f"train_step: the loss is {loss} and the gradient norm {grad_norm}: not finite, so the update was not "
+            "applied (weights, optimizer state and step count unchanged); lower the lr, clip gradients or check "
+            "the batch"
+        )
 
 
 class StepResult(NamedTuple):

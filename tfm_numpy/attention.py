@@ -14,6 +14,8 @@ import math
 
 import numpy as np
 
+from tfm_common.validate import check_sizes
+
 from .layers import Dropout, Linear
 from .module import FLOAT_DTYPES, Module, as_rng, check_dtype, check_grad, check_input
 
@@ -198,7 +200,8 @@ class MultiHeadAttention(Module):
         self, d_model: int, n_heads: int, dropout: float = 0.0, bias: bool = True, *, rng=None, dtype=np.float32
     ):
         super().__init__()
-        if n_heads < 1 or d_model % n_heads != 0:
+        d_model, n_heads = check_sizes("MultiHeadAttention", d_model=d_model, n_heads=n_heads).values()
+        if d_model % n_heads != 0:
             raise ValueError(f"MultiHeadAttention: d_model={d_model} must be divisible by n_heads={n_heads}")
         self.d_model, self.n_heads, self.d_head = d_model, n_heads, d_model // n_heads
         dt, g = check_dtype(dtype), as_rng(rng)

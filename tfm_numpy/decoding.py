@@ -30,6 +30,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from .functional import log_softmax
+from .module import check_indices
 
 __all__ = ["length_penalty", "greedy_decode", "beam_search", "sequence_scores", "reorder_cache"]
 
@@ -106,6 +107,9 @@ def beam_search(
     with _eval_mode(model):
         memory, src_mask = model.encode(src)
         B, V = memory.shape[0], model.tgt_vocab_size
+        if B == 0:  # an empty batch: what greedy_decode returns for it, (0, 1)
+            empty = np.zeros((0, 1), dtype=np.int64)
+            return (empty, np.zeros(0)) if return_scores else empty
         memory, src_mask = np.repeat(memory, K, axis=0), np.repeat(src_mask, K, axis=0)  # (B*K, S, d): per beam
         tgt = np.full((B * K, 1), bos_id, dtype=np.int64)
         alive = np.full((B, K), -np.inf)  # log p of each beam's prefix: one live beam at first (the others would
@@ -158,6 +162,7 @@ def sequence_scores(model, src: np.ndarray, tokens: np.ndarray, bos_id: int, eos
     _check_args("sequence_scores", model, bos_id, eos_id)
     if not isinstance(tokens, np.ndarray) or tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
         raise ValueError(f"sequence_scores: tokens expected a (B, L) integer array, got {_describe(tokens)}")
+    check_indices("sequence_scores: tokens", tokens, model.tgt_vocab_size)  # every column, the last one too
     with _eval_mode(model):
         tgt_in = np.concatenate([np.full((len(tokens), 1), bos_id, dtype=tokens.dtype), tokens[:, :-1]], axis=1)
         logp = log_softmax(model(src, tgt_in))  # (B, L, V)

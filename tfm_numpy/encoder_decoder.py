@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from tfm_common.validate import check_flag, check_sizes
+
 from .attention import MultiHeadAttention
 from .layers import Dropout, LayerNorm
 from .module import Module, ModuleList, as_rng, check_dtype, check_grad, check_input
@@ -29,15 +31,11 @@ __all__ = ["EncoderLayer", "DecoderLayer", "Encoder", "Decoder"]
 
 
 def _check_bool(owner: str, arg: str, value) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{owner}: {arg} expected True or False, got {value!r}")
-    return bool(value)
+    return check_flag(owner, arg, value)
 
 
-def _check_positive(owner: str, **sizes) -> None:
-    for arg, n in sizes.items():
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-            raise ValueError(f"{owner}: {arg} must be a positive int, got {n!r}")
+def _check_positive(owner: str, **sizes) -> dict[str, int]:
+    return check_sizes(owner, **sizes)
 
 
 def _check_x(name: str, x, norm: LayerNorm) -> None:

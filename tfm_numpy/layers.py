@@ -9,6 +9,8 @@ import math
 
 import numpy as np
 
+from tfm_common.validate import check_size, check_sizes
+
 from .functional import erf
 from .module import Module, Parameter, as_rng, check_dtype, check_grad, check_indices, check_input, check_probability
 
@@ -23,8 +25,7 @@ class Linear(Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, rng=None, dtype=np.float32):
         super().__init__()
-        if in_features < 1 or out_features < 1:
-            raise ValueError(f"Linear: features must be positive, got in={in_features}, out={out_features}")
+        in_features, out_features = check_sizes("Linear", in_features=in_features, out_features=out_features).values()
         self.in_features, self.out_features = in_features, out_features
         dt, g = check_dtype(dtype), as_rng(rng)
         bound = 1.0 / np.sqrt(in_features)
@@ -66,10 +67,8 @@ class Embedding(Module):
         self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None, *, rng=None, dtype=np.float32
     ):
         super().__init__()
-        if num_embeddings < 1 or embedding_dim < 1:
-            raise ValueError(
-                f"Embedding: sizes must be positive, got num_embeddings={num_embeddings}, embedding_dim={embedding_dim}"
-            )
+        sizes = check_sizes("Embedding", num_embeddings=num_embeddings, embedding_dim=embedding_dim)
+        num_embeddings, embedding_dim = sizes.values()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.padding_idx = _check_padding_idx(padding_idx, num_embeddings)
         dt, g = check_dtype(dtype), as_rng(rng)
@@ -231,9 +230,7 @@ class LayerNorm(Module):
 
     def __init__(self, normalized_shape, eps: float = 1e-5, *, dtype=np.float32):
         super().__init__()
-        shape = (normalized_shape,) if isinstance(normalized_shape, (int, np.integer)) else tuple(normalized_shape)
-        if not shape or any(int(n) < 1 for n in shape):
-            raise ValueError(f"LayerNorm: normalized_shape must be positive sizes, got {normalized_shape}")
+        shape = _normalized_shape(normalized_shape)
         if not eps > 0:
             raise ValueError(f"LayerNorm: eps must be > 0, got {eps}")
         self.normalized_shape, self.eps = tuple(int(n) for n in shape), float(eps)
@@ -273,3 +270,12 @@ class LayerNorm(Module):
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}"
+
+
+def _normalized_shape(normalized_shape) -> tuple[int, ...]:
+    """An int or a non-empty sequence of ints, each >= 1 (Python or NumPy ints), as a tuple of Python ints."""
+    if isinstance(normalized_shape, (list, tuple)):
+        if not normalized_shape:
+            raise ValueError("LayerNorm: normalized_shape must not be empty")
+        return tuple(check_size("LayerNorm", f"normalized_shape[{i}]", n) for i, n in enumerate(normalized_shape))
+    return (check_size("LayerNorm", "normalized_shape", normalized_shape),)

@@ -16,6 +16,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from tfm_common.validate import check_seed
+
 FLOAT_DTYPES = (np.float32, np.float64)
 
 
@@ -36,6 +38,13 @@ class Parameter:
     def dtype(self) -> np.dtype:
         return self.data.dtype
 
+    def zero_grad(self) -> None:
+        """Set the gradient to zero, in place; a `.grad` set to None (torch's "no gradient") becomes zeros again."""
+        if self.grad is None:
+            self.grad = np.zeros_like(self.data)
+        else:
+            self.grad[...] = 0
+
     def __repr__(self) -> str:
         return f"Parameter(shape={self.data.shape}, dtype={self.data.dtype})"
 
@@ -44,9 +53,7 @@ def as_rng(rng: np.random.Generator | int | None) -> np.random.Generator:
     """A `numpy.random.Generator` from a generator, a seed, or None (seed 0: never hidden global state)."""
     if isinstance(rng, np.random.Generator):
         return rng
-    if rng is None or isinstance(rng, (int, np.integer)):
-        return np.random.default_rng(0 if rng is None else int(rng))
-    raise TypeError(f"rng: expected a numpy.random.Generator, an int seed or None, got {type(rng).__name__}")
+    return np.random.default_rng(0 if rng is None else check_seed("rng", rng))
 
 
 def check_dtype(dtype) -> np.dtype:
@@ -210,7 +217,7 @@ class Module:
 
     def zero_grad(self) -> None:
         for p in self.parameters():
-            p.grad[...] = 0
+            p.zero_grad()
 
     def train(self, mode: bool = True) -> Module:
         for _, m in self.named_modules():
@@ -244,7 +251,7 @@ class Module:
         dt = check_dtype(dtype)
         for p in self.parameters():
             p.data = p.data.astype(dt)
-            p.grad = p.grad.astype(dt)
+            p.grad = None if p.grad is None else p.grad.astype(dt)
         for _, m in self.named_modules():
             object.__setattr__(m, "_cache", None)
             if hasattr(m, "dtype"):

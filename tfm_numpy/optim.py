@@ -86,11 +86,20 @@ class Adam:
 
     def zero_grad(self) -> None:
         for p in self.params:
-            p.grad[...] = 0
+            p.zero_grad()
 
     def step(self) -> None:
-        """One update of every parameter from its `.grad`, in place."""
+        """One update of every parameter from its `.grad`, in place. A parameter whose `.grad` is None (torch's
+        idiom for "no gradient", e.g. a frozen weight) is skipped, as torch skips it: its value and moments stay.
+        The step count t is the optimizer's, shared by all parameters (torch counts per parameter; the two agree
+        unless a parameter's gradient is None at some steps and not at others)."""
         for i, p in enumerate(self.params):  # check every parameter before changing any
+            if p.grad is None:
+                continue
+            if not isinstance(p.grad, np.ndarray):
+                raise TypeError(
+                    f"Adam.step: params[{i}].grad expected a numpy.ndarray or None, got {type(p.grad).__name__}"
+                )
             if p.grad.shape != p.data.shape or p.grad.dtype != p.data.dtype:
                 raise ValueError(
                     f"Adam.step: params[{i}] has data {p.data.shape} {p.data.dtype} but grad {p.grad.shape} "
@@ -108,6 +117,8 @@ class Adam:
         bias_correction2_sqrt = (1 - beta2**t) ** 0.5
         for p, m, v in zip(self.params, self.exp_avg, self.exp_avg_sq, strict=True):
             g = p.grad
+            if g is None:
+                continue
             if self.weight_decay != 0:
                 g = g + self.weight_decay * p.data
             # The same formulas, written with out= and in-place operators into one scratch array `tmp`: no new
@@ -233,7 +244,7 @@ def clip_grad_norm(params: Iterable[Parameter], max_norm: float) -> float:
     as one vector); each g is multiplied by min(max_norm / (total + 1e-6), 1). Below the threshold the
     gradients are untouched.
     """
-    params = _param_list(params, "clip_grad_norm")
+    params = [p for p in _param_list(params, "clip_grad_norm") if p.grad is not None]  # None: no gradient (torch)
     max_norm = _check_real("clip_grad_norm", "max_norm", max_norm, 0.0)
     if not params:
         return 0.0

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from tfm_common.validate import check_sizes
+
 from .layers import Dropout
 from .module import Module, Parameter, as_rng, check_dtype, check_grad, check_input
 
@@ -21,9 +23,11 @@ def sinusoidal_positional_encoding(max_len: int, d_model: int, dtype=np.float32)
     Computed in float64, then cast. Each (sin, cos) pair has norm 1, so every row has norm sqrt(d_model / 2).
     d_model must be even: the columns come in (sin, cos) pairs.
     """
-    if max_len < 1 or d_model < 2 or d_model % 2:
-        raise ValueError(f"sinusoidal_positional_encoding: need max_len >= 1 and an even d_model >= 2, "
-                         f"got max_len={max_len}, d_model={d_model}")  # fmt: skip
+    max_len, d_model = check_sizes("sinusoidal_positional_encoding", max_len=max_len, d_model=d_model).values()
+    if d_model % 2:
+        raise ValueError(
+            f"sinusoidal_positional_encoding: need an even d_model (sin, cos pairs), got d_model={d_model}"
+        )
     pos = np.arange(max_len, dtype=np.float64)[:, None]  # (max_len, 1)
     two_i = np.arange(0, d_model, 2, dtype=np.float64)  # (d_model / 2,): 0, 2, 4, ...
     angle = pos / np.power(10000.0, two_i / d_model)  # (max_len, d_model / 2)
@@ -82,9 +86,7 @@ class LearnedPositionalEmbedding(Module):
 
     def __init__(self, max_len: int, d_model: int, *, rng=None, dtype=np.float32):
         super().__init__()
-        if max_len < 1 or d_model < 1:
-            raise ValueError(f"LearnedPositionalEmbedding: sizes must be positive, got max_len={max_len}, "
-                             f"d_model={d_model}")  # fmt: skip
+        max_len, d_model = check_sizes("LearnedPositionalEmbedding", max_len=max_len, d_model=d_model).values()
         self.max_len, self.d_model = max_len, d_model
         dt, g = check_dtype(dtype), as_rng(rng)
         self.weight = Parameter(g.standard_normal((max_len, d_model)).astype(dt))

@@ -14,7 +14,6 @@ The same batches and the same initial weights give the same losses in both track
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 
@@ -27,6 +26,7 @@ from tfm_common.training import (
     StepResult,
     batch_stream,
     check_cooldown,
+    check_finite_step,
     check_int,
     check_loop_args,
     cooldown_scale,
@@ -47,7 +47,7 @@ __all__ = ["History", "StepResult", "Evaluation", "grad_norm", "train_step", "tr
 def grad_norm(params) -> float:
     """The global L2 norm of the gradients, ||(||g_1||, ..., ||g_n||)||_2, as `clip_grad_norm` measures it."""
     params = params.parameters() if isinstance(params, Module) else list(params)
-    norms = np.array([np.sqrt(np.sum(p.grad * p.grad)) for p in params])
+    norms = np.array([np.sqrt(np.sum(p.grad * p.grad)) for p in params if p.grad is not None])
     return float(np.sqrt(np.sum(norms * norms)))
 
 
@@ -63,7 +63,10 @@ def train_step(
     loss = loss_fn(logits, batch.tgt_out)  # mean over the batch's non-pad target tokens
     model.backward(loss_fn.backward())  # dL/dlogits (B, T, V) -> every parameter's .grad
     params: list[Parameter] = optimizer.params
-    norm = grad_norm(params) if clip_norm is None else clip_grad_norm(params, clip_norm)
+    norm = grad_norm(params)
+    check_finite_step(float(loss), norm)  # before anything changes: clipping, the lr, Adam's state and step count
+    if clip_norm is not None:
+        norm = clip_grad_norm(params, clip_norm)  # the same norm, measured as it clips
     set_lr(optimizer, lr)
     optimizer.step()
     return StepResult(float(loss), norm)
@@ -115,7 +118,8 @@ def train(
     progress     show a tqdm progress bar on stderr (its postfix: the mean loss of the last `log_every`
                  steps, the lr, the last evaluation); False for none
 
-    A non-finite loss stops training with FloatingPointError naming the step. The model is left in the mode
+    A non-finite loss or gradient stops training with FloatingPointError naming the step, before that step's
+    update: the model and optimizer are those of the step before. The model is left in the mode
     it had before (training or eval); it is in training mode (dropout on) during the steps.
     """
     name = "train"
@@ -155,11 +159,10 @@ def train(
         for epoch, batch in batch_stream(batches, steps, epochs, name):
             step = optimizer.step_count + 1
             lr = float(lr_schedule(step)) * cooldown_scale(done + 1, total, cooldown)
-            result = train_step(model, batch, optimizer, loss_fn, lr, clip_norm)
-            if not math.isfinite(result.loss):
-                raise FloatingPointError(
-                    f"{name}: the loss is {result.loss} at step {step} (lr {lr:.3g}): lower the lr or clip gradients"
-                )
+            try:
+                result = train_step(model, batch, optimizer, loss_fn, lr, clip_norm)
+            except FloatingPointError as e:  # raised before the update: the model is as it was after step - 1
+                raise FloatingPointError(f"{name}: at step {step} (lr {lr:.3g}): {e}") from e
             history.append(step, result, lr, batch.n_tokens)
             done += 1
             if eval_every is not None and done % eval_every == 0:

@@ -122,6 +122,10 @@ class Transformer(Module):
                 final_norm=final_norm,
             ),
         )
+        c = self.config  # the checked arguments, sizes as Python ints (JSON-able: checkpoints record them)
+        d_model, n_heads, d_ff, n_layers, max_len, pad_id = (c[k] for k in ("d_model", "n_heads", "d_ff", "n_layers",
+                                                                            "max_len", "pad_id"))  # fmt: skip
+        src_vocab_size, tgt_vocab_size = c["src_vocab_size"], c["tgt_vocab_size"]
         self.d_model, self.max_len, self.pad_id = d_model, max_len, pad_id
         self.src_vocab_size, self.tgt_vocab_size = src_vocab_size, tgt_vocab_size
         dt, g = check_dtype(dtype), as_rng(rng)
@@ -261,26 +265,28 @@ class Transformer(Module):
 
 def _check_config(owner: str, c: dict) -> dict:
     """Validate the constructor's arguments before anything is allocated; messages name the argument."""
-    _check_positive(owner, **{k: c[k] for k in ("src_vocab_size", "tgt_vocab_size", "d_model", "n_heads", "d_ff",
-                                                "n_layers", "max_len")})  # fmt: skip
+    c = dict(c)
+    c.update(_check_positive(owner, **{k: c[k] for k in ("src_vocab_size", "tgt_vocab_size", "d_model", "n_heads",
+                                                         "d_ff", "n_layers", "max_len")}))  # fmt: skip
     if c["d_model"] % c["n_heads"]:
         raise ValueError(f"{owner}: d_model={c['d_model']} must be divisible by n_heads={c['n_heads']}")
     if c["positional"] not in POSITIONAL:
         raise ValueError(f"{owner}: positional must be one of {POSITIONAL}, got {c['positional']!r}")
     if c["positional"] == "sinusoidal" and c["d_model"] % 2:
         raise ValueError(f"{owner}: sinusoidal positions need an even d_model, got d_model={c['d_model']}")
-    check_probability(owner, "dropout", c["dropout"], allow_one=False)
+    c["dropout"] = check_probability(owner, "dropout", c["dropout"], allow_one=False)
     check_activation(owner, c["activation"])
     for arg in ("norm_first", "share_embeddings", "tie_output"):
-        _check_bool(owner, arg, c[arg])
+        c[arg] = _check_bool(owner, arg, c[arg])
     if c["final_norm"] is not None:
-        _check_bool(owner, "final_norm", c["final_norm"])
+        c["final_norm"] = _check_bool(owner, "final_norm", c["final_norm"])
     if c["share_embeddings"] and c["src_vocab_size"] != c["tgt_vocab_size"]:
         raise ValueError(
             f"{owner}: share_embeddings=True needs one vocabulary, got src_vocab_size={c['src_vocab_size']} "
             f"and tgt_vocab_size={c['tgt_vocab_size']}"
         )
     pad, n = c["pad_id"], min(c["src_vocab_size"], c["tgt_vocab_size"])
-    if isinstance(pad, bool) or not isinstance(pad, (int, np.integer)) or not 0 <= pad < n:
+    if isinstance(pad, (bool, np.bool_)) or not isinstance(pad, (int, np.integer)) or not 0 <= pad < n:
         raise ValueError(f"{owner}: pad_id must be an int in [0, {n}) (a token of both vocabularies), got {pad!r}")
-    return dict(c)
+    c["pad_id"] = int(pad)
+    return c

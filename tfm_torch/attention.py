@@ -12,6 +12,8 @@ import math
 import torch
 from torch import nn
 
+from tfm_common.validate import check_sizes
+
 from .layers import Dropout, Linear
 from .module import as_generator, check_dtype, check_input
 
@@ -141,7 +143,8 @@ class MultiHeadAttention(nn.Module):
 
     def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0, bias: bool = True, *, rng=None, dtype=None):
         super().__init__()
-        if n_heads < 1 or d_model % n_heads != 0:
+        d_model, n_heads = check_sizes("MultiHeadAttention", d_model=d_model, n_heads=n_heads).values()
+        if d_model % n_heads != 0:
             raise ValueError(f"MultiHeadAttention: d_model={d_model} must be divisible by n_heads={n_heads}")
         self.d_model, self.n_heads, self.d_head = d_model, n_heads, d_model // n_heads
         dt, g = check_dtype(dtype), as_generator(rng)

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 import torch
 
 from .functional import log_softmax
+from .module import check_indices
 
 __all__ = ["length_penalty", "greedy_decode", "beam_search", "sequence_scores", "reorder_cache"]
 
@@ -77,6 +78,9 @@ def beam_search(
     with _eval_mode(model):
         memory, src_mask = model.encode(src)
         B, V, dev = memory.shape[0], model.tgt_vocab_size, memory.device
+        if B == 0:  # an empty batch: what greedy_decode returns for it, (0, 1)
+            empty = torch.zeros((0, 1), dtype=torch.long, device=dev)
+            return (empty, torch.zeros(0, dtype=torch.float64, device=dev)) if return_scores else empty
         memory, src_mask = memory.repeat_interleave(K, dim=0), src_mask.repeat_interleave(K, dim=0)  # (B*K, ...)
         tgt = torch.full((B * K, 1), bos_id, dtype=torch.long, device=dev)
         alive = torch.full((B, K), -math.inf, dtype=torch.float64, device=dev)  # log p of each beam's prefix:
@@ -129,6 +133,7 @@ def sequence_scores(model, src: torch.Tensor, tokens: torch.Tensor, bos_id: int,
     _check_args("sequence_scores", model, bos_id, eos_id)
     if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.is_floating_point() or tokens.is_complex():
         raise ValueError(f"sequence_scores: tokens expected a (B, L) integer tensor, got {_describe(tokens)}")
+    check_indices("sequence_scores: tokens", tokens, model.tgt_vocab_size)  # every column, the last one too
     with _eval_mode(model):
         bos = torch.full((len(tokens), 1), bos_id, dtype=tokens.dtype, device=tokens.device)
         logp = log_softmax(model(src, torch.cat([bos, tokens[:, :-1]], dim=1)))  # (B, L, V)

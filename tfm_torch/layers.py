@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tfm_common.validate import check_size, check_sizes
+
 from .module import as_generator, check_dtype, check_indices, check_input, check_probability
 
 __all__ = ["Linear", "Embedding", "ReLU", "GELU", "Dropout", "LayerNorm"]
@@ -18,8 +20,7 @@ class Linear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, rng=None, dtype=None):
         super().__init__()
-        if in_features < 1 or out_features < 1:
-            raise ValueError(f"Linear: features must be positive, got in={in_features}, out={out_features}")
+        in_features, out_features = check_sizes("Linear", in_features=in_features, out_features=out_features).values()
         self.in_features, self.out_features = in_features, out_features
         dt, g = check_dtype(dtype), as_generator(rng)
         bound = 1.0 / math.sqrt(in_features)
@@ -47,10 +48,8 @@ class Embedding(nn.Module):
         self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None, *, rng=None, dtype=None
     ):
         super().__init__()
-        if num_embeddings < 1 or embedding_dim < 1:
-            raise ValueError(
-                f"Embedding: sizes must be positive, got num_embeddings={num_embeddings}, embedding_dim={embedding_dim}"
-            )
+        sizes = check_sizes("Embedding", num_embeddings=num_embeddings, embedding_dim=embedding_dim)
+        num_embeddings, embedding_dim = sizes.values()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.padding_idx = _check_padding_idx(padding_idx, num_embeddings)
         dt, g = check_dtype(dtype), as_generator(rng)
@@ -60,7 +59,7 @@ class Embedding(nn.Module):
         self.weight = nn.Parameter(w)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        check_indices("Embedding: ids", ids, self.num_embeddings)
+        ids = check_indices("Embedding: ids", ids, self.num_embeddings)
         return F.embedding(ids, self.weight, self.padding_idx)  # (*ids.shape, D)
 
     def extra_repr(self) -> str:
@@ -146,9 +145,7 @@ class LayerNorm(nn.Module):
 
     def __init__(self, normalized_shape, eps: float = 1e-5, *, dtype=None):
         super().__init__()
-        shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
-        if not shape or any(int(n) < 1 for n in shape):
-            raise ValueError(f"LayerNorm: normalized_shape must be positive sizes, got {normalized_shape}")
+        shape = _normalized_shape(normalized_shape)
         if not eps > 0:
             raise ValueError(f"LayerNorm: eps must be > 0, got {eps}")
         self.normalized_shape, self.eps = tuple(int(n) for n in shape), float(eps)
@@ -168,3 +165,12 @@ class LayerNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}"
+
+
+def _normalized_shape(normalized_shape) -> tuple[int, ...]:
+    """An int or a non-empty sequence of ints, each >= 1 (Python or NumPy ints), as a tuple of Python ints."""
+    if isinstance(normalized_shape, (list, tuple)):
+        if not normalized_shape:
+            raise ValueError("LayerNorm: normalized_shape must not be empty")
+        return tuple(check_size("LayerNorm", f"normalized_shape[{i}]", n) for i, n in enumerate(normalized_shape))
+    return (check_size("LayerNorm", "normalized_shape", normalized_shape),)

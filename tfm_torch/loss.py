@@ -39,7 +39,7 @@ class CrossEntropyLoss(nn.Module):
             expected = tuple(logits.shape[:-1])
             raise ValueError(f"CrossEntropyLoss: targets expected shape {expected} (logits without V), got {got}")
         eps = self.label_smoothing
-        check_indices("CrossEntropyLoss: targets", targets, logits.shape[-1], ignore=self.ignore_index)
+        targets = check_indices("CrossEntropyLoss: targets", targets, logits.shape[-1], ignore=self.ignore_index)
         valid = (
             torch.ones_like(targets, dtype=torch.bool) if self.ignore_index is None else targets != self.ignore_index
         )

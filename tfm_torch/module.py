@@ -10,14 +10,14 @@ import numbers
 
 import torch
 
+from tfm_common.validate import check_seed
+
 
 def as_generator(rng: torch.Generator | int | None) -> torch.Generator:
     """A `torch.Generator` from a generator, a seed, or None (seed 0: never hidden global state)."""
     if isinstance(rng, torch.Generator):
         return rng
-    if rng is None or isinstance(rng, int):
-        return torch.Generator().manual_seed(0 if rng is None else rng)
-    raise TypeError(f"rng: expected a torch.Generator, an int seed or None, got {type(rng).__name__}")
+    return torch.Generator().manual_seed(0 if rng is None else check_seed("rng", rng))
 
 
 def check_dtype(dtype) -> torch.dtype:
@@ -45,12 +45,15 @@ def check_input(name: str, x, ndim_min: int = 1, last_dim: int | None = None, dt
 def check_indices(name: str, x, high: int, ignore: int | None = None) -> torch.Tensor:
     """Validate integer indices (token ids, class targets): an integer tensor with values in [0, high).
 
-    `ignore`, if given, is one more allowed value (a loss's `ignore_index`).
+    `ignore`, if given, is one more allowed value (a loss's `ignore_index`). Returns the ids as int32 or int64
+    (other integer dtypes converted to int64): callers index with what this returns.
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor of integers, got {type(x).__name__}")
     if x.dtype == torch.bool or x.is_floating_point() or x.is_complex():
         raise TypeError(f"{name}: expected an integer tensor, got dtype {x.dtype}")
+    if x.dtype not in (torch.int32, torch.int64):  # uint8, int8, int16, ...: accepted as NumPy accepts them,
+        x = x.long()  # as the int64 that torch's indexing ops want
     bad = (x < 0) | (x >= high)
     if ignore is not None:
         bad &= x != ignore

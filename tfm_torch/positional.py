@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tfm_common.validate import check_sizes
+
 from .layers import Dropout
 from .module import as_generator, check_dtype, check_input
 
@@ -13,9 +15,11 @@ __all__ = ["sinusoidal_positional_encoding", "PositionalEncoding", "LearnedPosit
 
 def sinusoidal_positional_encoding(max_len: int, d_model: int, dtype=None) -> torch.Tensor:
     """(max_len, d_model): PE[pos, 2i] = sin(pos / 10000^(2i/d)), PE[pos, 2i+1] = cos(...). Float64, then cast."""
-    if max_len < 1 or d_model < 2 or d_model % 2:
-        raise ValueError(f"sinusoidal_positional_encoding: need max_len >= 1 and an even d_model >= 2, "
-                         f"got max_len={max_len}, d_model={d_model}")  # fmt: skip
+    max_len, d_model = check_sizes("sinusoidal_positional_encoding", max_len=max_len, d_model=d_model).values()
+    if d_model % 2:
+        raise ValueError(
+            f"sinusoidal_positional_encoding: need an even d_model (sin, cos pairs), got d_model={d_model}"
+        )
     pos = torch.arange(max_len, dtype=torch.float64)[:, None]  # (max_len, 1)
     two_i = torch.arange(0, d_model, 2, dtype=torch.float64)  # (d_model / 2,)
     angle = pos / torch.pow(10000.0, two_i / d_model)  # (max_len, d_model / 2)
@@ -58,9 +62,7 @@ class LearnedPositionalEmbedding(nn.Module):
 
     def __init__(self, max_len: int, d_model: int, *, rng=None, dtype=None):
         super().__init__()
-        if max_len < 1 or d_model < 1:
-            raise ValueError(f"LearnedPositionalEmbedding: sizes must be positive, got max_len={max_len}, "
-                             f"d_model={d_model}")  # fmt: skip
+        max_len, d_model = check_sizes("LearnedPositionalEmbedding", max_len=max_len, d_model=d_model).values()
         self.max_len, self.d_model = max_len, d_model
         w = torch.empty(max_len, d_model, dtype=check_dtype(dtype)).normal_(generator=as_generator(rng))
         self.weight = nn.Parameter(w)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tfm_common.validate import check_sizes
+
 from .layers import GELU, Dropout, Linear, ReLU
 from .module import as_generator, check_dtype
 
@@ -28,6 +30,7 @@ class PositionwiseFeedForward(nn.Module):
         self, d_model: int, d_ff: int, dropout: float = 0.1, activation: str = "relu", *, rng=None, dtype=None
     ):
         super().__init__()
+        d_model, d_ff = check_sizes("PositionwiseFeedForward", d_model=d_model, d_ff=d_ff).values()
         dt, g = check_dtype(dtype), as_generator(rng)
         self.d_model, self.d_ff, self.activation_name = d_model, d_ff, activation
         self.linear1 = Linear(d_model, d_ff, rng=g, dtype=dt)  # (d_ff, d_model)

@@ -15,7 +15,6 @@ tensors here, on the model's device. The library never changes torch's global se
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 
@@ -30,6 +29,7 @@ from tfm_common.training import (
     StepResult,
     batch_stream,
     check_cooldown,
+    check_finite_step,
     check_int,
     check_loop_args,
     cooldown_scale,
@@ -85,7 +85,10 @@ def train_step(
     loss = loss_fn(logits, tgt_out)  # mean over the batch's non-pad target tokens
     loss.backward()  # autograd: every parameter's .grad
     params = _params(optimizer)
-    norm = grad_norm(params) if clip_norm is None else clip_grad_norm(params, clip_norm)
+    norm = grad_norm(params)
+    check_finite_step(loss.item(), norm)  # before anything changes: clipping, the lr, Adam's state and step count
+    if clip_norm is not None:
+        norm = clip_grad_norm(params, clip_norm)  # the same norm, measured as it clips
     set_lr(optimizer, lr)
     optimizer.step()
     return StepResult(loss.item(), norm)
@@ -137,7 +140,8 @@ def train(
     progress     show a tqdm progress bar on stderr (its postfix: the mean loss of the last `log_every`
                  steps, the lr, the last evaluation); False for none
 
-    A non-finite loss stops training with FloatingPointError naming the step. The model is left in the mode
+    A non-finite loss or gradient stops training with FloatingPointError naming the step, before that step's
+    update: the model and optimizer are those of the step before. The model is left in the mode
     it had before (training or eval); it is in training mode (dropout on) during the steps.
     """
     name = "train"
@@ -177,11 +181,10 @@ def train(
         for epoch, batch in batch_stream(batches, steps, epochs, name):
             step = _steps_taken(optimizer) + 1
             lr = float(lr_schedule(step)) * cooldown_scale(done + 1, total, cooldown)
-            result = train_step(model, batch, optimizer, loss_fn, lr, clip_norm)
-            if not math.isfinite(result.loss):
-                raise FloatingPointError(
-                    f"{name}: the loss is {result.loss} at step {step} (lr {lr:.3g}): lower the lr or clip gradients"
-                )
+            try:
+                result = train_step(model, batch, optimizer, loss_fn, lr, clip_norm)
+            except FloatingPointError as e:  # raised before the update: the model is as it was after step - 1
+                raise FloatingPointError(f"{name}: at step {step} (lr {lr:.3g}): {e}") from e
             history.append(step, result, lr, batch.n_tokens)
             done += 1
             if eval_every is not None and done % eval_every == 0:
