@@ -120,14 +120,28 @@ class Vocab:
         seen: set[str] = set()
         for s in sentences:
             seen.update(_tokenize(s, level, "Vocab.build"))
+        special = sorted(seen & set(SPECIAL_TOKENS))
+        if special:
+            raise ValueError(f"Vocab.build: the sentences hold the special token {special[0]!r}; special tokens are "
+                             "never read from text (see encode)")  # fmt: skip
         return cls(sorted(seen), level)
 
     def tokenize(self, text) -> list[str]:
         return _tokenize(text, self.level, "Vocab.tokenize")
 
     def encode(self, text, add_bos: bool = False, add_eos: bool = True) -> list[int]:
-        """Token ids of `text`; unknown tokens become `UNK_ID`. With the defaults: ids + [EOS_ID]."""
-        ids = [self.stoi.get(tok, UNK_ID) for tok in self.tokenize(text)]
+        """Token ids of `text`; unknown tokens become `UNK_ID`. With the defaults: ids + [EOS_ID].
+
+        One rule for special tokens, here and in `build`: they are never read from text (a literal "<eos>" word
+        would otherwise end a sequence early); encode adds BOS and EOS itself, and a text holding one is refused."""
+        toks = self.tokenize(text)
+        special = [tok for tok in toks if tok in SPECIAL_TOKENS]
+        if special:
+            raise ValueError(
+                f"Vocab.encode: the text holds the special token {special[0]!r}; special tokens are added by encode "
+                "(add_bos, add_eos) and never read from text"
+            )
+        ids = [self.stoi.get(tok, UNK_ID) for tok in toks]
         return ([BOS_ID] if add_bos else []) + ids + ([EOS_ID] if add_eos else [])
 
     def decode(self, ids, strip_special: bool = True) -> str:

@@ -9,11 +9,13 @@ almost always a bug (`d_model / n_heads`).
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import numpy as np
 
-__all__ = ["check_size", "check_sizes", "check_flag", "check_choice", "check_seed"]
+__all__ = ["check_size", "check_sizes", "check_flag", "check_choice", "check_seed", "check_real", "check_real_arg",
+           "check_adam_args"]  # fmt: skip
 
 
 def _is_int(value) -> bool:
@@ -65,3 +67,23 @@ def check_real(owner: str, arg: str, value, low: float | None = None, high: floa
     if (low is not None and value < low) or (high is not None and value > high):
         raise ValueError(f"{owner}: {arg} must be in [{low}, {high}], got {value!r}")
     return float(value)
+
+
+def check_real_arg(name: str, arg: str, value, low: float, high: float | None = None, high_open=True) -> float:
+    """A finite real number (not a bool) >= low, and below (or up to) high where given; the optimizers' rule."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: {arg} expected a float, got {type(value).__name__}")
+    ok = low <= value and (high is None or (value < high if high_open else value <= high)) and math.isfinite(value)
+    if not ok:
+        bound = f"[{low}, {high})" if high is not None else f">= {low} and finite"
+        raise ValueError(f"{name}: {arg} must be {'in ' if high is not None else ''}{bound}, got {value}")
+    return float(value)
+
+
+def check_adam_args(name: str, lr, betas, eps, weight_decay) -> tuple[float, tuple[float, float], float, float]:
+    """Adam's arguments, checked alike in both tracks: lr >= 0, betas a pair in [0, 1), eps >= 0, weight_decay >= 0."""
+    lr = check_real_arg(name, "lr", lr, 0.0)
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"{name}: betas expected a pair (beta1, beta2), got {betas!r}")
+    betas = tuple(check_real_arg(name, f"betas[{i}]", b, 0.0, 1.0) for i, b in enumerate(betas))
+    return lr, betas, check_real_arg(name, "eps", eps, 0.0), check_real_arg(name, "weight_decay", weight_decay, 0.0)

@@ -20,6 +20,9 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from tfm_common.validate import check_adam_args as _check_hyper
+from tfm_common.validate import check_real_arg as _check_real
+
 from .module import Module, Parameter
 
 __all__ = ["Adam", "make_adam", "set_lr", "noam_lr", "clip_grad_norm"]
@@ -38,24 +41,6 @@ def _param_list(params, name: str) -> list[Parameter]:
     if len({id(p) for p in params}) != len(params):
         raise ValueError(f"{name}: params contains the same Parameter twice (it would be updated twice per step)")
     return params
-
-
-def _check_real(name: str, arg: str, value, low: float, high: float | None = None, high_open=True) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name}: {arg} expected a float, got {type(value).__name__}")
-    ok = low <= value and (high is None or (value < high if high_open else value <= high)) and math.isfinite(value)
-    if not ok:
-        bound = f"[{low}, {high})" if high is not None else f">= {low} and finite"
-        raise ValueError(f"{name}: {arg} must be {'in ' if high is not None else ''}{bound}, got {value}")
-    return float(value)
-
-
-def _check_hyper(name: str, lr, betas, eps, weight_decay) -> tuple[float, tuple[float, float], float, float]:
-    lr = _check_real(name, "lr", lr, 0.0)
-    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-        raise ValueError(f"{name}: betas expected a pair (beta1, beta2), got {betas!r}")
-    betas = tuple(_check_real(name, f"betas[{i}]", b, 0.0, 1.0) for i, b in enumerate(betas))
-    return lr, betas, _check_real(name, "eps", eps, 0.0), _check_real(name, "weight_decay", weight_decay, 0.0)
 
 
 class Adam:

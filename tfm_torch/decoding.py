@@ -131,7 +131,12 @@ def sequence_scores(model, src: torch.Tensor, tokens: torch.Tensor, bos_id: int,
     """log p(Y | X) / length_penalty(|Y|, alpha) of each row of `tokens` (B, L) (without the bos), teacher-forced,
     counting the tokens up to and including the first eos (all the non-pad ones if none). Returns (B,) float64."""
     _check_args("sequence_scores", model, bos_id, eos_id)
-    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.is_floating_point() or tokens.is_complex():
+    if (
+        not isinstance(tokens, torch.Tensor)
+        or tokens.dim() != 2
+        or tokens.dtype == torch.bool
+        or (tokens.is_floating_point() or tokens.is_complex())
+    ):
         raise ValueError(f"sequence_scores: tokens expected a (B, L) integer tensor, got {_describe(tokens)}")
     check_indices("sequence_scores: tokens", tokens, model.tgt_vocab_size)  # every column, the last one too
     with _eval_mode(model):

@@ -19,6 +19,8 @@ import numbers
 import torch
 from torch import nn
 
+from tfm_common.validate import check_adam_args
+
 __all__ = ["Adam", "make_adam", "set_lr", "noam_lr", "clip_grad_norm"]
 
 
@@ -28,7 +30,8 @@ class Adam(torch.optim.Adam):
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.98), eps: float = 1e-9, weight_decay: float = 0.0):
         if isinstance(params, nn.Module):
             params = params.parameters()
-        super().__init__(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        lr, betas, eps, weight_decay = check_adam_args("Adam", lr, betas, eps, weight_decay)  # as tfm_numpy.Adam
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
 
     @property
     def lr(self) -> float:
