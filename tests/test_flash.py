@@ -196,3 +196,75 @@ def test_bad_input_is_a_clear_error(track):
         lib.flash_attention(q, k, v, A(np.ones((1, 1, 3, 3), dtype=bool)))
     with pytest.raises(ValueError, match=r"q and k must have the same last dimension"):
         lib.flash_attention(q, k[..., :2], v)
+
+
+# -- the model option: MultiHeadAttention(attention="flash") and Transformer(attention="flash") ---------------
+
+
+def tiny_model(track, attention, seed=0, norm_first=False):
+    kw = dict(d_model=16, n_heads=2, d_ff=24, n_layers=2, dropout=0.0, max_len=16, norm_first=norm_first)
+    m = tn.Transformer(13, 11, **kw, attention=attention, block_size=3, rng=seed, dtype=np.float64)
+    if track == "numpy":
+        return m
+    twin = tt.Transformer(13, 11, **kw, attention=attention, block_size=3, rng=seed, dtype=torch.float64)
+    twin.load_state_dict({k: torch.from_numpy(v) for k, v in m.state_dict().items()})
+    return twin
+
+
+SRC_TOKENS = np.array([[3, 7, 1, 9, 5, 4, 8], [2, 10, 4, 6, 0, 0, 0]])
+TGT_TOKENS = np.array([[1, 4, 8, 3, 6, 5, 7, 9], [0, 0, 1, 6, 3, 2, 9, 4]])  # the second left-padded: empty rows
+
+
+def model_grads(track, attention, norm_first):
+    m = tiny_model(track, attention, norm_first=norm_first)
+    dlogits = np.random.default_rng(9).standard_normal((2, 8, 11))
+    if track == "numpy":
+        logits = m(SRC_TOKENS, TGT_TOKENS)
+        m.zero_grad()
+        m.backward(dlogits)
+        return logits, m.grads()
+    logits = m(torch.from_numpy(SRC_TOKENS), torch.from_numpy(TGT_TOKENS))
+    logits.backward(torch.from_numpy(dlogits))
+    return to_numpy(logits), {k: to_numpy(p.grad) for k, p in m.named_parameters()}
+
+
+@pytest.mark.parametrize("norm_first", [False, True], ids=["postLN", "preLN"])
+@pytest.mark.parametrize("track", ["numpy", "torch"])
+def test_transformer_with_flash_attention_has_the_same_logits_and_gradients(track, norm_first):
+    """The whole model, every parameter's gradient: tiled attention equals the explicit one (float64, 1e-12)."""
+    ref_logits, ref_grads = model_grads(track, "explicit", norm_first)
+    logits, grads = model_grads(track, "flash", norm_first)
+    assert max_abs_diff(logits, ref_logits) < EXACT
+    assert grads.keys() == ref_grads.keys()
+    worst = max(np.abs(grads[k] - ref_grads[k]).max() for k in grads)
+    assert worst < EXACT, worst
+
+
+def test_flash_model_tracks_agree_and_the_option_is_switchable():
+    np_logits, np_grads = model_grads("numpy", "flash", False)
+    t_logits, t_grads = model_grads("torch", "flash", False)
+    assert max_abs_diff(np_logits, t_logits) < EXACT
+    assert max(np.abs(np_grads[k] - t_grads[k]).max() for k in t_grads) < EXACT
+    m = tiny_model("numpy", "explicit")
+    assert tn.use_attention(m, "flash", 5) is m
+    mhas = [mod for _, mod in m.named_modules() if isinstance(mod, tn.MultiHeadAttention)]
+    assert len(mhas) == 6 and all(a.attention == "flash" and a.block_size == 5 for a in mhas)
+    m(SRC_TOKENS, TGT_TOKENS)
+    assert all(a.attn_weights is None for a in mhas)  # no weights formed
+
+
+@pytest.mark.parametrize("track", ["numpy", "torch"])
+def test_flash_refuses_attention_dropout_in_training_and_bad_options(track):
+    lib, A = (tn, np.asarray) if track == "numpy" else (tt, torch.from_numpy)
+    mha = lib.MultiHeadAttention(8, 2, dropout=0.1, attention="flash", rng=0)
+    x = A(np.zeros((1, 3, 8), dtype=np.float32))
+    with pytest.raises(ValueError, match=r"attention='flash' has no dropout on the attention weights"):
+        mha(x, x, x)
+    mha.eval()
+    assert tuple(mha(x, x, x).shape) == (1, 3, 8)  # eval: dropout off, fine
+    with pytest.raises(ValueError, match=r"MultiHeadAttention: attention must be one of \('explicit', 'flash'\)"):
+        lib.MultiHeadAttention(8, 2, attention="tiled")
+    with pytest.raises(ValueError, match=r"Transformer: block_size must be an int >= 1, got 0"):
+        lib.Transformer(5, 5, d_model=8, n_heads=2, d_ff=8, n_layers=1, block_size=0)
+    with pytest.raises(ValueError, match=r"use_attention: attention must be one of"):
+        lib.use_attention(mha, "fast")

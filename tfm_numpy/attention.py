@@ -14,6 +14,9 @@ import math
 
 import numpy as np
 
+from tfm_common.validate import check_choice, check_size
+
+from .flash import flash_attention, flash_attention_backward
 from .layers import Dropout, Linear
 from .module import FLOAT_DTYPES, Module, as_rng, check_dtype, check_grad, check_input
 
@@ -26,7 +29,11 @@ __all__ = [
     "causal_mask",
     "decoder_mask",
     "MultiHeadAttention",
+    "ATTENTION",
+    "use_attention",
 ]
+
+ATTENTION = ("explicit", "flash")
 
 
 # -- scaled dot-product attention ----------------------------------------------------------------------------
@@ -190,17 +197,31 @@ class MultiHeadAttention(Module):
     dimension: (B, T, d) -> (B, T, H, dk) -> (B, H, T, dk). After a forward, `attn_weights` holds the
     softmax weights (B, H, Tq, Tk) (before dropout; torch.nn.MultiheadAttention returns them after).
 
+    attention="flash" computes the heads with `flash_attention` in tiles of `block_size` (the same numbers to
+    rounding, no (Tq, Tk) array kept: `attn_weights` stays None). It has no dropout on the attention weights, so
+    training with dropout > 0 is refused (eval mode, or dropout=0, is fine).
+
     backward(grad_out) returns (d_query, d_key, d_value). When one tensor fed several inputs, add its
     gradients: self-attention `dx = sum(mha.backward(g))`, cross-attention `d_memory = d_key + d_value`.
     """
 
     def __init__(
-        self, d_model: int, n_heads: int, dropout: float = 0.0, bias: bool = True, *, rng=None, dtype=np.float32
+        self,
+        d_model: int,
+        n_heads: int,
+        dropout: float = 0.0,
+        bias: bool = True,
+        *,
+        attention: str = "explicit",
+        block_size: int = 64,
+        rng=None,
+        dtype=np.float32,
     ):
         super().__init__()
         if n_heads < 1 or d_model % n_heads != 0:
             raise ValueError(f"MultiHeadAttention: d_model={d_model} must be divisible by n_heads={n_heads}")
         self.d_model, self.n_heads, self.d_head = d_model, n_heads, d_model // n_heads
+        self.attention, self.block_size = check_attention("MultiHeadAttention", attention, block_size)
         dt, g = check_dtype(dtype), as_rng(rng)
         self.q_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
         self.k_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
@@ -237,12 +258,25 @@ class MultiHeadAttention(Module):
         q = self._split(self.q_proj(query))  # (B, H, Tq, dk)
         k = self._split(self.k_proj(key))  # (B, H, Tk, dk)
         v = self._split(self.v_proj(value))  # (B, H, Tk, dk)
+        if self.attention == "flash":
+            ctx, lse = self._flash(q, k, v, mask)  # (B, H, Tq, dk), (B, H, Tq): no weights kept
+            self.attn_weights = None
+            self._cache = ("flash", q, k, v, ctx, lse, mask, query.shape)
+            return self.out_proj(self._merge(ctx))
         p = attention_weights(q, k, mask)  # (B, H, Tq, Tk)
         p_drop = self.dropout(p)  # identity in eval or with p = 0
         ctx = p_drop @ v  # (B, H, Tq, dk)
         self.attn_weights = p
-        self._cache = (q, k, v, p, p_drop, query.shape)
+        self._cache = ("explicit", q, k, v, p, p_drop, query.shape)
         return self.out_proj(self._merge(ctx))  # (B, Tq, d)
+
+    def _flash(self, q, k, v, mask):
+        if self.training and self.dropout.p > 0:
+            raise ValueError(
+                f"MultiHeadAttention: attention='flash' has no dropout on the attention weights, got dropout="
+                f"{self.dropout.p} in training mode; use dropout=0.0, eval(), or attention='explicit'"
+            )
+        return flash_attention(q, k, v, mask, block_size=self.block_size)
 
     def forward_step(self, query, key, value, cache: dict, mask=None, *, static: bool = False) -> np.ndarray:
         """`forward` for incremental decoding (inference only: no backward), keeping keys and values in `cache`.
@@ -261,20 +295,43 @@ class MultiHeadAttention(Module):
                 k, v = np.concatenate([cache["k"], k], axis=2), np.concatenate([cache["v"], v], axis=2)
             cache["k"], cache["v"] = k, v
         q = self._split(self.q_proj(query))  # (B, H, Tn, dk)
+        if self.attention == "flash":
+            return self.out_proj(self._merge(self._flash(q, cache["k"], cache["v"], mask)[0]))
         p = attention_weights(q, cache["k"], mask)  # (B, H, Tn, T)
         return self.out_proj(self._merge(self.dropout(p) @ cache["v"]))  # (B, Tn, d)
 
     def backward(self, grad_out: np.ndarray):
-        q, k, v, p, p_drop, out_shape = self._saved()
+        kind, q, k, v, *saved, out_shape = self._saved()
         check_grad("MultiHeadAttention", grad_out, out_shape, q.dtype)
         d_ctx = self._split(self.out_proj.backward(grad_out))  # (B, H, Tq, dk)
-        dv = np.swapaxes(p_drop, -1, -2) @ d_ctx  # (B, H, Tk, dk)
-        dp = self.dropout.backward(d_ctx @ np.swapaxes(v, -1, -2))  # (B, H, Tq, Tk), through the dropout mask
-        dq, dk = attention_weights_backward(dp, q, k, p)  # (B, H, Tq, dk), (B, H, Tk, dk)
+        if kind == "flash":
+            ctx, lse, mask = saved  # the weights are recomputed tile by tile from lse
+            dq, dk, dv = flash_attention_backward(d_ctx, q, k, v, ctx, lse, mask, block_size=self.block_size)
+        else:
+            p, p_drop = saved
+            dv = np.swapaxes(p_drop, -1, -2) @ d_ctx  # (B, H, Tk, dk)
+            dp = self.dropout.backward(d_ctx @ np.swapaxes(v, -1, -2))  # (B, H, Tq, Tk), through the dropout mask
+            dq, dk = attention_weights_backward(dp, q, k, p)  # (B, H, Tq, dk), (B, H, Tk, dk)
         d_query = self.q_proj.backward(self._merge(dq))  # (B, Tq, d)
         d_key = self.k_proj.backward(self._merge(dk))  # (B, Tk, d)
         d_value = self.v_proj.backward(self._merge(dv))  # (B, Tk, d)
         return d_query, d_key, d_value
 
     def extra_repr(self) -> str:
-        return f"d_model={self.d_model}, n_heads={self.n_heads}"
+        flash = f", attention='flash', block_size={self.block_size}" if self.attention == "flash" else ""
+        return f"d_model={self.d_model}, n_heads={self.n_heads}{flash}"
+
+
+def check_attention(owner: str, attention, block_size) -> tuple[str, int]:
+    """The attention option: "explicit" (weights formed, kept for inspection) or "flash" (tiled), and its block."""
+    return check_choice(owner, "attention", attention, ATTENTION), check_size(owner, "block_size", block_size)
+
+
+def use_attention(model, attention: str = "explicit", block_size: int = 64):
+    """Switch every MultiHeadAttention inside `model` to `attention` ("explicit" or "flash") with `block_size`;
+    returns the model. The weights are untouched: only how the heads compute softmax(q k^T / sqrt(dk)) v."""
+    attention, block_size = check_attention("use_attention", attention, block_size)
+    for _, m in model.named_modules():
+        if isinstance(m, MultiHeadAttention):
+            m.attention, m.block_size = attention, block_size
+    return model

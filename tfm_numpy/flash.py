@@ -28,7 +28,7 @@ import numpy as np
 
 from tfm_common.validate import check_size
 
-from .attention import _check_mask, _check_qkv
+from . import attention as _attention  # its checks, read at call time (attention imports this module)
 from .module import check_grad
 
 __all__ = ["flash_attention", "flash_attention_backward"]
@@ -48,10 +48,10 @@ def _mask_tile(mask, rows: slice, cols: slice):
 
 def _prepare(name: str, q, k, v, mask, block_size):
     """Checks shared by forward and backward; the mask made at least 2-D so that its tiles can be sliced."""
-    _check_qkv(q, k, v)
+    _attention._check_qkv(q, k, v)
     block = check_size(name, "block_size", block_size)
     if mask is not None:
-        _check_mask(mask, (*q.shape[:-1], k.shape[-2]))
+        _attention._check_mask(mask, (*q.shape[:-1], k.shape[-2]))
         mask = mask.reshape((1,) * (2 - mask.ndim) + mask.shape)
     return block, mask
 

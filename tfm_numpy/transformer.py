@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from .attention import decoder_mask, padding_mask
+from .attention import check_attention, decoder_mask, padding_mask, use_attention
 from .encoder_decoder import Decoder, Encoder, _check_bool, _check_positive
 from .layers import Dropout, Embedding, Linear
 from .module import (
@@ -59,6 +59,9 @@ class Transformer(Module):
       tie_output        the output projection's weight IS the target embedding matrix (the paper, section 3.4:
                         "we share the same weight matrix between the two embedding layers and the pre-softmax
                         linear transformation", after Press and Wolf, 2017).
+      attention         "explicit" (the weights formed, inspectable) or "flash" (tiled, `flash_attention`, in
+                        blocks of `block_size`): the same model to rounding; see `MultiHeadAttention`. Not part of
+                        the configuration (no weight depends on it); `use_attention(model, ...)` switches it later.
     A tied matrix is one Parameter object used in two (or three) places: each use adds its gradient into the
     same `.grad`, so the tied weight gets the sum of all uses, with no extra code.
 
@@ -98,6 +101,8 @@ class Transformer(Module):
         activation: str = "relu",
         final_norm: bool | None = None,
         *,
+        attention: str = "explicit",
+        block_size: int = 64,
         rng=None,
         dtype=np.float32,
     ):
@@ -122,6 +127,7 @@ class Transformer(Module):
                 final_norm=final_norm,
             ),
         )
+        attention, block_size = check_attention("Transformer", attention, block_size)
         self.d_model, self.max_len, self.pad_id = d_model, max_len, pad_id
         self.src_vocab_size, self.tgt_vocab_size = src_vocab_size, tgt_vocab_size
         dt, g = check_dtype(dtype), as_rng(rng)
@@ -147,6 +153,7 @@ class Transformer(Module):
         for _, p in [*self.encoder.named_parameters(), *self.decoder.named_parameters()]:
             if p.data.ndim == 2:
                 xavier_uniform_(p, g)
+        use_attention(self, attention, block_size)  # how every attention computes its heads (not a weight)
 
     def _make_positional(self, positional: str, g, dt) -> Module:
         if positional == "sinusoidal":  # no parameters; its own dropout unused (p=0): ours follows the sum

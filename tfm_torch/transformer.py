@@ -14,7 +14,7 @@ import re
 import torch
 from torch import nn
 
-from .attention import decoder_mask, padding_mask
+from .attention import check_attention, decoder_mask, padding_mask, use_attention
 from .encoder_decoder import Decoder, Encoder, _check_bool, _check_positive, _Counted
 from .layers import Dropout, Embedding, Linear
 from .module import as_generator, check_dtype, check_indices, check_input, check_probability
@@ -73,6 +73,8 @@ class Transformer(_Counted):
         activation: str = "relu",
         final_norm: bool | None = None,
         *,
+        attention: str = "explicit",
+        block_size: int = 64,
         rng=None,
         dtype=None,
     ):
@@ -97,6 +99,7 @@ class Transformer(_Counted):
                 final_norm=final_norm,
             ),
         )
+        attention, block_size = check_attention("Transformer", attention, block_size)
         self.d_model, self.max_len, self.pad_id = d_model, max_len, pad_id
         self.src_vocab_size, self.tgt_vocab_size = src_vocab_size, tgt_vocab_size
         dt, g = check_dtype(dtype), as_generator(rng)
@@ -123,6 +126,7 @@ class Transformer(_Counted):
         for p in [*self.encoder.parameters(), *self.decoder.parameters()]:
             if p.dim() == 2:
                 xavier_uniform_(p, g)
+        use_attention(self, attention, block_size)  # how every attention computes its heads (not a weight)
 
     def _make_positional(self, positional: str, g, dt) -> nn.Module:
         if positional == "sinusoidal":  # no parameters; its own dropout unused (p=0): ours follows the sum
