@@ -16,6 +16,7 @@ import numpy as np
 
 from tfm_common.validate import check_choice, check_size
 
+from .decoding import cache_append
 from .flash import flash_attention, flash_attention_backward
 from .layers import Dropout, Linear
 from .module import FLOAT_DTYPES, Module, as_rng, check_dtype, check_grad, check_input
@@ -283,6 +284,8 @@ class MultiHeadAttention(Module):
 
         static=False (self-attention): key and value are the new positions only (B, Tn, d); their projections
         are appended to cache["k"], cache["v"] (B, H, T, dk), and the queries attend to every position so far.
+        Appended in place: they are written into buffers allocated once for cache["capacity"] positions (see
+        `cache_append`), and cache["k"], cache["v"] are views of the part written so far.
         static=True (cross-attention): key and value are the same memory at every step, projected on the first
         call only. `mask` covers all the keys so far, (B, 1, Tn, T) or (B, 1, 1, S).
         """
@@ -291,9 +294,11 @@ class MultiHeadAttention(Module):
         if not (static and "k" in cache):
             k = self._split(self.k_proj(key))  # (B, H, Tn, dk), or (B, H, S, dk) for the memory
             v = self._split(self.v_proj(value))
-            if "k" in cache:  # self-attention: the earlier positions' keys and values, then the new ones
-                k, v = np.concatenate([cache["k"], k], axis=2), np.concatenate([cache["v"], v], axis=2)
-            cache["k"], cache["v"] = k, v
+            if static:  # cross-attention: the memory's keys and values, once
+                cache["k"], cache["v"] = k, v
+            else:  # self-attention: the new positions written after the earlier ones, in place (no copy of those)
+                cache_append(cache, "k", k, axis=2)
+                cache_append(cache, "v", v, axis=2)
         q = self._split(self.q_proj(query))  # (B, H, Tn, dk)
         if self.attention == "flash":
             return self.out_proj(self._merge(self._flash(q, cache["k"], cache["v"], mask)[0]))

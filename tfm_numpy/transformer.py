@@ -15,6 +15,7 @@ import math
 import numpy as np
 
 from .attention import check_attention, decoder_mask, padding_mask, use_attention
+from .decoding import cache_append
 from .encoder_decoder import Decoder, Encoder, _check_bool, _check_positive
 from .layers import Dropout, Embedding, Linear
 from .module import (
@@ -191,10 +192,13 @@ class Transformer(Module):
         Tn = 1, the last token, given the `cache` of every earlier call (a dict, empty at the first call; filled
         here). Equal to `decode(all tokens so far, ...)[:, -Tn:]`, at the cost of the new positions only:
 
-            cache["length"]  the number of target positions seen so far (the offset of the new ones)
-            cache["keep"]    (B, 1, 1, T) the padding mask of every target position so far
-            cache["layers"]  one dict per decoder layer: self_attn {"k", "v"} (B, H, T, dk), appended at each
-                             step; cross_attn {"k", "v"} (B, H, S, dk), the memory's, computed at the first step
+            cache["capacity"] the most positions it will hold (set it before the first call; default max_len):
+                              the target side's buffers are allocated once at that size and written in place
+            cache["length"]   the number of target positions seen so far (the offset of the new ones)
+            cache["keep"]     (B, 1, 1, T) the padding mask of every target position so far
+            cache["layers"]   one dict per decoder layer: self_attn {"k", "v"} (B, H, T, dk), appended at each
+                              step (views of the buffers "k_buf", "v_buf", see `cache_append`); cross_attn
+                              {"k", "v"} (B, H, S, dk), the memory's, computed at the first step
         """
         self._check_tokens("tgt_new", tgt_new, self.tgt_vocab_size)
         t0, Tn = cache.get("length", 0), tgt_new.shape[1]
@@ -203,11 +207,11 @@ class Transformer(Module):
         if memory.ndim != 3 or memory.shape[0] != tgt_new.shape[0]:
             raise ValueError(f"Transformer.decode_step: memory expected shape (B={tgt_new.shape[0]}, S, "
                              f"{self.d_model}), got {memory.shape}")  # fmt: skip
-        keep = padding_mask(tgt_new, self.pad_id)  # (B, 1, 1, Tn)
-        cache["keep"] = keep if t0 == 0 else np.concatenate([cache["keep"], keep], axis=-1)  # (B, 1, 1, T)
-        tgt_mask = cache["keep"] & np.tri(Tn, t0 + Tn, t0, dtype=bool)  # (B, 1, Tn, T): new i sees 0 .. t0 + i
+        cap = min(cache.setdefault("capacity", self.max_len), self.max_len)  # positions to make room for, once
+        keep = cache_append(cache, "keep", padding_mask(tgt_new, self.pad_id), axis=3)  # (B, 1, 1, T), in place
+        tgt_mask = keep & np.tri(Tn, t0 + Tn, t0, dtype=bool)  # (B, 1, Tn, T): new i sees 0 .. t0 + i
         y = self._embed(tgt_new, self.tgt_embed, self.tgt_pos, self.tgt_dropout, offset=t0)  # (B, Tn, d)
-        layers = cache.setdefault("layers", [{} for _ in self.decoder.layers])
+        layers = cache.setdefault("layers", [{"self_attn": {"capacity": cap}} for _ in self.decoder.layers])
         y = self.decoder.forward_step(y, memory, layers, tgt_mask, src_mask)  # (B, Tn, d)
         cache["length"] = t0 + Tn
         self._cache = None  # inference only: a backward after this is an error

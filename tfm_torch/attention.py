@@ -14,6 +14,7 @@ from torch import nn
 
 from tfm_common.validate import check_choice, check_size
 
+from .decoding import cache_append
 from .flash import flash_attention
 from .layers import Dropout, Linear
 from .module import as_generator, check_dtype, check_input
@@ -212,14 +213,17 @@ class MultiHeadAttention(nn.Module):
     def forward_step(self, query, key, value, cache: dict, mask=None, *, static: bool = False) -> torch.Tensor:
         """`forward` for incremental decoding (inference), keeping keys and values in `cache` (as tfm_numpy's):
         static=False (self-attention) appends the new positions' keys and values to cache["k"], cache["v"]
-        (B, H, T, dk); static=True (cross-attention) projects the memory on the first call only."""
+        (B, H, T, dk), in place in preallocated buffers (see `cache_append`); static=True (cross-attention)
+        projects the memory on the first call only."""
         self._check(query, key, value)
         if not (static and "k" in cache):
             k = self._split(self.k_proj(key))  # (B, H, Tn, dk), or (B, H, S, dk) for the memory
             v = self._split(self.v_proj(value))
-            if "k" in cache:  # self-attention: the earlier positions' keys and values, then the new ones
-                k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)
-            cache["k"], cache["v"] = k, v
+            if static:  # cross-attention: the memory's keys and values, once
+                cache["k"], cache["v"] = k, v
+            else:  # self-attention: the new positions written after the earlier ones, in place (no copy of those)
+                cache_append(cache, "k", k, axis=2)
+                cache_append(cache, "v", v, axis=2)
         q = self._split(self.q_proj(query))  # (B, H, Tn, dk)
         if self.attention == "flash":
             return self.out_proj(self._merge(self._flash(q, cache["k"], cache["v"], mask)))
