@@ -92,3 +92,16 @@ def test_decoding_with_flash_attention_matches_explicit(track):
             cache = {}
             logits.append([m.decode_step(A(TGT[:, t : t + 1]), memory, src_mask, cache) for t in range(6)])
     assert max(max_abs_diff(a, b) for a, b in zip(*logits, strict=True)) < 1e-12
+
+
+@pytest.mark.parametrize("track", ["numpy", "torch"])
+def test_the_concatenating_cache_kept_for_comparison_gives_the_same_logits(track):
+    model, lib, A = make(track)
+    with torch.no_grad():
+        memory, src_mask = model.encode(A(SRC))
+        caches, steps = ({}, {"preallocate": False}), ([], [])
+        for t in range(TGT.shape[1]):
+            for cache, out in zip(caches, steps, strict=True):
+                out.append(model.decode_step(A(TGT[:, t : t + 1]), memory, src_mask, cache))
+    assert "k_buf" not in caches[1]["layers"][0]["self_attn"] and "keep_buf" not in caches[1]
+    assert max(max_abs_diff(a, b) for a, b in zip(*steps, strict=True)) == 0

@@ -177,9 +177,13 @@ def cache_append(cache: dict, name: str, new: np.ndarray, axis: int) -> np.ndarr
     (the longest sequence the decoding will reach); each step writes its new positions in place, and cache[name]
     is a view of the part written so far. Growing by concatenation instead copies every earlier position at every
     step: quadratic in the length. (Past the capacity the buffer is reallocated at twice the size, so a cache
-    without one still costs amortized O(1) copies per position.)
+    without one still costs amortized O(1) copies per position.) cache["preallocate"] = False does exactly that
+    concatenation instead, for comparison (chapter 15b, benchmarks/bench.py).
     """
     old, buf = cache.get(name), cache.get(name + "_buf")
+    if not cache.get("preallocate", True):  # the quadratic way, kept to measure the difference: copy all, each step
+        cache[name] = new if old is None else np.concatenate([old, new], axis=axis)
+        return cache[name]
     t0 = 0 if old is None else old.shape[axis]
     t1 = t0 + new.shape[axis]
     if buf is None or buf.shape[axis] < t1:

@@ -194,6 +194,7 @@ class Transformer(Module):
 
             cache["capacity"] the most positions it will hold (set it before the first call; default max_len):
                               the target side's buffers are allocated once at that size and written in place
+            cache["preallocate"] False: grow by concatenation instead (every step copies every position), to compare
             cache["length"]   the number of target positions seen so far (the offset of the new ones)
             cache["keep"]     (B, 1, 1, T) the padding mask of every target position so far
             cache["layers"]   one dict per decoder layer: self_attn {"k", "v"} (B, H, T, dk), appended at each
@@ -211,7 +212,8 @@ class Transformer(Module):
         keep = cache_append(cache, "keep", padding_mask(tgt_new, self.pad_id), axis=3)  # (B, 1, 1, T), in place
         tgt_mask = keep & np.tri(Tn, t0 + Tn, t0, dtype=bool)  # (B, 1, Tn, T): new i sees 0 .. t0 + i
         y = self._embed(tgt_new, self.tgt_embed, self.tgt_pos, self.tgt_dropout, offset=t0)  # (B, Tn, d)
-        layers = cache.setdefault("layers", [{"self_attn": {"capacity": cap}} for _ in self.decoder.layers])
+        room = {"capacity": cap, "preallocate": cache.get("preallocate", True)}
+        layers = cache.setdefault("layers", [{"self_attn": dict(room)} for _ in self.decoder.layers])
         y = self.decoder.forward_step(y, memory, layers, tgt_mask, src_mask)  # (B, Tn, d)
         cache["length"] = t0 + Tn
         self._cache = None  # inference only: a backward after this is an error

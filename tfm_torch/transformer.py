@@ -172,7 +172,8 @@ class Transformer(_Counted):
         causal = torch.ones(Tn, t0 + Tn, dtype=torch.bool, device=tgt_new.device).tril(t0)  # new i sees 0 .. t0 + i
         tgt_mask = keep & causal  # (B, 1, Tn, T)
         y = self._embed(tgt_new, self.tgt_embed, self.tgt_pos, self.tgt_dropout, offset=t0)  # (B, Tn, d)
-        layers = cache.setdefault("layers", [{"self_attn": {"capacity": cap}} for _ in self.decoder.layers])
+        room = {"capacity": cap, "preallocate": cache.get("preallocate", True)}
+        layers = cache.setdefault("layers", [{"self_attn": dict(room)} for _ in self.decoder.layers])
         y = self.decoder.forward_step(y, memory, layers, tgt_mask, src_mask)  # (B, Tn, d)
         cache["length"] = t0 + Tn
         return self.output_projection(y)  # (B, Tn, V)
