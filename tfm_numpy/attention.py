@@ -11,6 +11,7 @@ uses the opposite meaning, True = "may NOT attend"; convert at that boundary wit
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 
@@ -191,6 +192,18 @@ def decoder_mask(tgt_tokens: np.ndarray, pad_id: int) -> np.ndarray:
 # -- multi-head attention ------------------------------------------------------------------------------------
 
 
+class _FlashSaved(NamedTuple):
+    """What a tiled forward keeps for its backward: the heads' inputs, output and log-sum-exp, not the weights."""
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    ctx: np.ndarray
+    lse: np.ndarray
+    mask: np.ndarray | None
+    out_shape: tuple
+
+
 class MultiHeadAttention(Module):
     """Multi-head attention: project, split into heads, attend in each head, merge, project back.
 
@@ -259,17 +272,28 @@ class MultiHeadAttention(Module):
         q = self._split(self.q_proj(query))  # (B, H, Tq, dk)
         k = self._split(self.k_proj(key))  # (B, H, Tk, dk)
         v = self._split(self.v_proj(value))  # (B, H, Tk, dk)
-        if self.attention == "flash":
-            ctx, lse = self._flash(q, k, v, mask)  # (B, H, Tq, dk), (B, H, Tq): no weights kept
-            self.attn_weights = None
-            self._cache = ("flash", q, k, v, ctx, lse, mask, query.shape)
-            return self.out_proj(self._merge(ctx))
+        if self.attention == "flash":  # tiled (chapter 15b): no (Tq, Tk) array
+            return self._forward_flash(q, k, v, mask, query.shape)
         p = attention_weights(q, k, mask)  # (B, H, Tq, Tk)
         p_drop = self.dropout(p)  # identity in eval or with p = 0
         ctx = p_drop @ v  # (B, H, Tq, dk)
         self.attn_weights = p
-        self._cache = ("explicit", q, k, v, p, p_drop, query.shape)
+        self._cache = (q, k, v, p, p_drop, query.shape)
         return self.out_proj(self._merge(ctx))  # (B, Tq, d)
+
+    def _forward_flash(self, q, k, v, mask, out_shape):
+        ctx, lse = self._flash(q, k, v, mask)  # (B, H, Tq, dk), (B, H, Tq): the weights are not kept
+        self.attn_weights = None
+        self._cache = _FlashSaved(q, k, v, ctx, lse, mask, out_shape)
+        return self.out_proj(self._merge(ctx))  # (B, Tq, d)
+
+    def _backward_flash(self, grad_out):
+        q, k, v, ctx, lse, mask, out_shape = self._saved()
+        check_grad("MultiHeadAttention", grad_out, out_shape, q.dtype)
+        d_ctx = self._split(self.out_proj.backward(grad_out))  # (B, H, Tq, dk)
+        dq, dk, dv = flash_attention_backward(d_ctx, q, k, v, ctx, lse, mask, block_size=self.block_size)
+        d_query = self.q_proj.backward(self._merge(dq))  # (B, Tq, d)
+        return d_query, self.k_proj.backward(self._merge(dk)), self.v_proj.backward(self._merge(dv))
 
     def _flash(self, q, k, v, mask):
         if self.training and self.dropout.p > 0:
@@ -306,17 +330,14 @@ class MultiHeadAttention(Module):
         return self.out_proj(self._merge(self.dropout(p) @ cache["v"]))  # (B, Tn, d)
 
     def backward(self, grad_out: np.ndarray):
-        kind, q, k, v, *saved, out_shape = self._saved()
+        if isinstance(self._cache, _FlashSaved):  # after a tiled forward: the weights recomputed from lse
+            return self._backward_flash(grad_out)
+        q, k, v, p, p_drop, out_shape = self._saved()
         check_grad("MultiHeadAttention", grad_out, out_shape, q.dtype)
         d_ctx = self._split(self.out_proj.backward(grad_out))  # (B, H, Tq, dk)
-        if kind == "flash":
-            ctx, lse, mask = saved  # the weights are recomputed tile by tile from lse
-            dq, dk, dv = flash_attention_backward(d_ctx, q, k, v, ctx, lse, mask, block_size=self.block_size)
-        else:
-            p, p_drop = saved
-            dv = np.swapaxes(p_drop, -1, -2) @ d_ctx  # (B, H, Tk, dk)
-            dp = self.dropout.backward(d_ctx @ np.swapaxes(v, -1, -2))  # (B, H, Tq, Tk), through the dropout mask
-            dq, dk = attention_weights_backward(dp, q, k, p)  # (B, H, Tq, dk), (B, H, Tk, dk)
+        dv = np.swapaxes(p_drop, -1, -2) @ d_ctx  # (B, H, Tk, dk)
+        dp = self.dropout.backward(d_ctx @ np.swapaxes(v, -1, -2))  # (B, H, Tq, Tk), through the dropout mask
+        dq, dk = attention_weights_backward(dp, q, k, p)  # (B, H, Tq, dk), (B, H, Tk, dk)
         d_query = self.q_proj.backward(self._merge(dq))  # (B, Tq, d)
         d_key = self.k_proj.backward(self._merge(dk))  # (B, Tk, d)
         d_value = self.v_proj.backward(self._merge(dv))  # (B, Tk, d)
