@@ -10,10 +10,14 @@ What it prints, every figure measured in this one run:
      NumPy float64), the best of several tries;
   2. a training step (zero_grad, forward, cross-entropy, backward, Adam) of the whole Transformer at the small
      and the base config, float32, dropout 0: milliseconds, the time ratio NumPy / torch, and the achieved
-     GFLOP/s (the FLOP count below divided by the time) as a percentage of that library's matmul rate;
+     GFLOP/s (the FLOP count below divided by the time) as a percentage of that library's matmul rate; a third
+     column runs `torch.nn.Transformer` (tfm_torch.ReferenceTransformer: torch's own layers, with the same
+     embeddings, output layer, initial weights and batches) in a third worker process;
   3. forward-only inference (eval mode; torch under inference_mode);
   4. greedy decoding with and without the key/value cache as the output grows (small config);
-  5. the NumPy track in float64 against float32.
+  5. the NumPy track in float64 against float32;
+  6. the NumPy track's time per decoded token against its position, with the preallocated key/value cache and
+     with the concatenating one (cache["preallocate"] = False), one token at a time through decode_step.
 
 How it measures. Each library runs in its own worker process (`--worker numpy|torch`), started with its thread
 settings in the environment before NumPy or torch is imported: OMP_WAIT_POLICY=PASSIVE (torch's OpenMP threads
@@ -60,7 +64,7 @@ CONFIGS = {
     "small": dict(d_model=128, n_heads=4, d_ff=512, n_layers=2, vocab=1000, batch=32, length=32),
     "base": dict(d_model=512, n_heads=8, d_ff=2048, n_layers=6, vocab=8000, batch=16, length=64),
 }
-SECTIONS = ("train", "forward", "decode", "float64")
+SECTIONS = ("train", "forward", "decode", "float64", "positions")
 PAD, BOS = 0, 1  # token ids of the benchmark's vocabulary; real tokens are drawn from [3, vocab)
 
 
@@ -198,6 +202,24 @@ class NumpyTrack:
         )
         return lambda: self.tnp.greedy_decode(model, src, BOS, eos, out_len, use_cache=use_cache)
 
+    def positions(self, cfg: dict, out_len: int, preallocate: bool):
+        """A call decodes out_len given tokens one at a time through decode_step; returns the seconds per step."""
+        np = self.np
+        model = _numpy_model(cfg, 0.0, "float32", max_len=out_len).eval()
+        src, tgt = _data(cfg, cfg["length"])
+        tgt = np.concatenate([np.full((len(tgt), 1), BOS), np.resize(tgt, (len(tgt), out_len - 1))], axis=1)
+        memory, src_mask = model.encode(src)
+
+        def run():
+            cache, times = {"capacity": out_len, "preallocate": preallocate}, []
+            for t in range(out_len):
+                t0 = time.perf_counter()
+                model.decode_step(tgt[:, t : t + 1], memory, src_mask, cache)
+                times.append(time.perf_counter() - t0)
+            return times
+
+        return run
+
 
 class TorchTrack:
     name = "torch"
@@ -233,9 +255,12 @@ class TorchTrack:
         a, b = torch.randn(n, n, generator=g, dtype=dt), torch.randn(n, n, generator=g, dtype=dt)
         return lambda: a @ b
 
-    def train(self, cfg: dict, dtype: str, dropout: float):
+    def train(self, cfg: dict, dtype: str, dropout: float, impl: str = "tfm"):
+        """impl="tfm": our torch track; "nn": torch.nn.Transformer with the same embeddings, output layer, weights."""
         torch, tpt = self.torch, self.tpt
         model = self._model(cfg, dropout, dtype, max_len=cfg["length"] + 1).train()
+        if impl == "nn":
+            model = tpt.to_torch_nn_transformer(model).train()
         src, tgt = (torch.from_numpy(a) for a in _data(cfg, cfg["length"]))
         opt, loss_fn = tpt.make_adam(model, lr=1e-4), tpt.CrossEntropyLoss(ignore_index=PAD)
 
@@ -317,6 +342,8 @@ def worker_main(track_name: str, root: str | None) -> None:
                 for _ in range(inner):
                     fn()
                 reply = {"seconds": (time.perf_counter() - t0) / inner}
+            elif op == "call":  # a task that measures itself (times per step): its return value
+                reply = {"value": fn()}
             elif op == "quit":
                 break
             else:
@@ -330,8 +357,9 @@ def worker_main(track_name: str, root: str | None) -> None:
 class Worker:
     """A worker process for one library, driven by JSON lines."""
 
-    def __init__(self, track: str, threads: int, root: str | None = None, label: str | None = None):
+    def __init__(self, track: str, threads: int, root: str | None = None, label: str | None = None, extra=None):
         env = {**os.environ, **_thread_env(threads)}
+        self.extra = extra or {}  # task arguments of this worker only (torch.nn's impl="nn")
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", track]
         if root:
             cmd += ["--root", root]
@@ -360,7 +388,7 @@ class Worker:
 
 def measure(workers: list[Worker], task: str, args: dict, repeats: int, block: float, pause: float) -> dict:
     """Set the task up in every worker, then `repeats` rounds, the workers taking turns (the order alternating)."""
-    setup = {w.label: w.ask(op="setup", task=task, args=args, block=block) for w in workers}
+    setup = {w.label: w.ask(op="setup", task=task, args={**args, **w.extra}, block=block) for w in workers}
     times = {w.label: [] for w in workers}
     for r in range(repeats):
         for w in workers if r % 2 == 0 else workers[::-1]:
@@ -469,15 +497,22 @@ class Bench:
     def train(self) -> None:
         self.res["train"], rows = {}, []
         peak_np, peak_t = self.mm[("numpy", "float32")], self.mm[("torch", "float32")]
-        for c in self.configs:
-            cfg, flops = CONFIGS[c], train_flops(CONFIGS[c])
-            r = self.measure(self.workers, "train", cfg=cfg, dtype="float32", dropout=0.0)
-            self.res["train"][c] = {"flops": flops, **r}
-            tn, tt = r["numpy"]["median_s"], r["torch"]["median_s"]
-            row = [c, f"{flops / 1e9:.2f}", fmt_ms(tn), fmt_ms(tt), f"{tn / tt:.2f}"]
-            rows.append(row + [pct(flops / tn / 1e9, peak_np), pct(flops / tt / 1e9, peak_t)])
-        header = ["config", "GFLOP", "NumPy ms", "torch ms", "NumPy/torch", "NumPy GFLOP/s (% mm)", "torch (% mm)"]
-        print_table("2. Training step (forward + backward + Adam), float32, dropout 0", header, rows)
+        nn_worker = Worker("torch", self.args.threads or self.res["threads"], label="torch.nn", extra={"impl": "nn"})
+        try:
+            for c in self.configs:
+                cfg, flops = CONFIGS[c], train_flops(CONFIGS[c])
+                r = self.measure([*self.workers, nn_worker], "train", cfg=cfg, dtype="float32", dropout=0.0)
+                self.res["train"][c] = {"flops": flops, **r}
+                tn, tt, tr = (r[k]["median_s"] for k in ("numpy", "torch", "torch.nn"))
+                row = [c, f"{flops / 1e9:.2f}", fmt_ms(tn), fmt_ms(tt), fmt_ms(tr), f"{tn / tt:.2f}", f"{tn / tr:.2f}"]
+                rates = [pct(flops / x / 1e9, peak) for x, peak in ((tn, peak_np), (tt, peak_t), (tr, peak_t))]
+                rows.append(row + rates)
+        finally:
+            nn_worker.close()
+        header = ["config", "GFLOP", "NumPy ms", "torch ms", "torch.nn ms", "NumPy/torch", "NumPy/torch.nn",
+                  "NumPy GFLOP/s (% mm)", "torch (% mm)", "torch.nn (% mm)"]  # fmt: skip
+        title = "2. Training step (forward + backward + Adam), float32, dropout 0 (torch.nn: torch.nn.Transformer)"
+        print_table(title, header, rows)
 
     def forward(self) -> None:
         self.res["forward"], rows = {}, []
@@ -528,6 +563,32 @@ class Bench:
         header = ["config", "float32 ms", "float64 ms", "float64/float32", "float64 GFLOP/s (% mm float64)"]
         print_table(f"5. NumPy track, training step, float64 vs float32 (matmul rate ratio: {ratio:.2f})", header, rows)
 
+    def positions(self) -> None:
+        """Time per token against its position: the median over the repeats at every position, both caches."""
+        a = self.args
+        L = a.position_length or (128 if a.quick else 512)
+        cfg = {**CONFIGS["small"], "batch": a.decode_batch, "length": 32}
+        per = {}
+        for pre in (True, False):
+            self.npw.ask(op="setup", task="positions", args=dict(cfg=cfg, out_len=L, preallocate=pre), block=0)
+            runs = []
+            for _ in range(self.repeats):
+                time.sleep(a.pause)
+                runs.append(self.npw.ask(op="call")["value"])
+            per["preallocated" if pre else "concatenated"] = [statistics.median(ts) for ts in zip(*runs, strict=True)]
+        self.res["positions"] = {"cfg": cfg, "length": L, "median_s": per}
+        marks = sorted({1, *(p for p in (16, 64, 128, 256, 512, 1024, 2048) if p <= L), L})
+        rows = [[str(p)] + [fmt_ms(per[k][p - 1]) for k in ("preallocated", "concatenated")] for p in marks]
+        title = f"6. NumPy decode_step, one token, small config, batch {a.decode_batch}: ms per token at position"
+        print_table(title, ["position", "preallocated", "concatenated"], rows)
+        for k in ("preallocated", "concatenated"):
+            say(f"  {k}: the last 10% of the positions take {_tail_ratio(per[k]):.2f}x the time of the first 10%")
+
+
+def _tail_ratio(times: list[float]) -> float:
+    n = max(1, len(times) // 10)
+    return statistics.median(times[-n:]) / statistics.median(times[:n])
+
 
 def run(args) -> dict:
     REPORT.clear()
@@ -568,6 +629,7 @@ def main(argv=None) -> None:
     p.add_argument("--decode-lengths", nargs="+", type=int, help="output lengths for greedy decoding")
     p.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="what to measure")
     p.add_argument("--decode-batch", type=int, default=8, help="batch size for greedy decoding (default 8)")
+    p.add_argument("--position-length", type=int, help="tokens decoded for the per-position times (default 512)")
     p.add_argument("--numpy-root", help=argparse.SUPPRESS)  # import tfm_numpy from another checkout (before/after)
     p.add_argument("--worker", choices=["numpy", "torch"], help=argparse.SUPPRESS)
     p.add_argument("--root", help=argparse.SUPPRESS)

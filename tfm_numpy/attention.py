@@ -11,11 +11,14 @@ uses the opposite meaning, True = "may NOT attend"; convert at that boundary wit
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 
-from tfm_common.validate import check_sizes
+from tfm_common.validate import check_choice, check_size, check_sizes
 
+from .decoding import cache_append
+from .flash import flash_attention, flash_attention_backward
 from .layers import Dropout, Linear
 from .module import FLOAT_DTYPES, Module, as_rng, check_dtype, check_grad, check_input
 
@@ -28,7 +31,11 @@ __all__ = [
     "causal_mask",
     "decoder_mask",
     "MultiHeadAttention",
+    "ATTENTION",
+    "use_attention",
 ]
+
+ATTENTION = ("explicit", "flash")
 
 
 # -- scaled dot-product attention ----------------------------------------------------------------------------
@@ -185,6 +192,18 @@ def decoder_mask(tgt_tokens: np.ndarray, pad_id: int) -> np.ndarray:
 # -- multi-head attention ------------------------------------------------------------------------------------
 
 
+class _FlashSaved(NamedTuple):
+    """What a tiled forward keeps for its backward: the heads' inputs, output and log-sum-exp, not the weights."""
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    ctx: np.ndarray
+    lse: np.ndarray
+    mask: np.ndarray | None
+    out_shape: tuple
+
+
 class MultiHeadAttention(Module):
     """Multi-head attention: project, split into heads, attend in each head, merge, project back.
 
@@ -192,18 +211,32 @@ class MultiHeadAttention(Module):
     dimension: (B, T, d) -> (B, T, H, dk) -> (B, H, T, dk). After a forward, `attn_weights` holds the
     softmax weights (B, H, Tq, Tk) (before dropout; torch.nn.MultiheadAttention returns them after).
 
+    attention="flash" computes the heads with `flash_attention` in tiles of `block_size` (the same numbers to
+    rounding, no (Tq, Tk) array kept: `attn_weights` stays None). It has no dropout on the attention weights, so
+    training with dropout > 0 is refused (eval mode, or dropout=0, is fine).
+
     backward(grad_out) returns (d_query, d_key, d_value). When one tensor fed several inputs, add its
     gradients: self-attention `dx = sum(mha.backward(g))`, cross-attention `d_memory = d_key + d_value`.
     """
 
     def __init__(
-        self, d_model: int, n_heads: int, dropout: float = 0.0, bias: bool = True, *, rng=None, dtype=np.float32
+        self,
+        d_model: int,
+        n_heads: int,
+        dropout: float = 0.0,
+        bias: bool = True,
+        *,
+        attention: str = "explicit",
+        block_size: int = 64,
+        rng=None,
+        dtype=np.float32,
     ):
         super().__init__()
         d_model, n_heads = check_sizes("MultiHeadAttention", d_model=d_model, n_heads=n_heads).values()
         if d_model % n_heads != 0:
             raise ValueError(f"MultiHeadAttention: d_model={d_model} must be divisible by n_heads={n_heads}")
         self.d_model, self.n_heads, self.d_head = d_model, n_heads, d_model // n_heads
+        self.attention, self.block_size = check_attention("MultiHeadAttention", attention, block_size)
         dt, g = check_dtype(dtype), as_rng(rng)
         self.q_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
         self.k_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
@@ -240,6 +273,8 @@ class MultiHeadAttention(Module):
         q = self._split(self.q_proj(query))  # (B, H, Tq, dk)
         k = self._split(self.k_proj(key))  # (B, H, Tk, dk)
         v = self._split(self.v_proj(value))  # (B, H, Tk, dk)
+        if self.attention == "flash":  # tiled (chapter 15b): no (Tq, Tk) array
+            return self._forward_flash(q, k, v, mask, query.shape)
         p = attention_weights(q, k, mask)  # (B, H, Tq, Tk)
         p_drop = self.dropout(p)  # identity in eval or with p = 0
         ctx = p_drop @ v  # (B, H, Tq, dk)
@@ -247,11 +282,35 @@ class MultiHeadAttention(Module):
         self._cache = (q, k, v, p, p_drop, query.shape)
         return self.out_proj(self._merge(ctx))  # (B, Tq, d)
 
+    def _forward_flash(self, q, k, v, mask, out_shape):
+        ctx, lse = self._flash(q, k, v, mask)  # (B, H, Tq, dk), (B, H, Tq): the weights are not kept
+        self.attn_weights = None
+        self._cache = _FlashSaved(q, k, v, ctx, lse, mask, out_shape)
+        return self.out_proj(self._merge(ctx))  # (B, Tq, d)
+
+    def _backward_flash(self, grad_out):
+        q, k, v, ctx, lse, mask, out_shape = self._saved()
+        check_grad("MultiHeadAttention", grad_out, out_shape, q.dtype)
+        d_ctx = self._split(self.out_proj.backward(grad_out))  # (B, H, Tq, dk)
+        dq, dk, dv = flash_attention_backward(d_ctx, q, k, v, ctx, lse, mask, block_size=self.block_size)
+        d_query = self.q_proj.backward(self._merge(dq))  # (B, Tq, d)
+        return d_query, self.k_proj.backward(self._merge(dk)), self.v_proj.backward(self._merge(dv))
+
+    def _flash(self, q, k, v, mask):
+        if self.training and self.dropout.p > 0:
+            raise ValueError(
+                f"MultiHeadAttention: attention='flash' has no dropout on the attention weights, got dropout="
+                f"{self.dropout.p} in training mode; use dropout=0.0, eval(), or attention='explicit'"
+            )
+        return flash_attention(q, k, v, mask, block_size=self.block_size)
+
     def forward_step(self, query, key, value, cache: dict, mask=None, *, static: bool = False) -> np.ndarray:
         """`forward` for incremental decoding (inference only: no backward), keeping keys and values in `cache`.
 
         static=False (self-attention): key and value are the new positions only (B, Tn, d); their projections
         are appended to cache["k"], cache["v"] (B, H, T, dk), and the queries attend to every position so far.
+        Appended in place: they are written into buffers allocated once for cache["capacity"] positions (see
+        `cache_append`), and cache["k"], cache["v"] are views of the part written so far.
         static=True (cross-attention): key and value are the same memory at every step, projected on the first
         call only. `mask` covers all the keys so far, (B, 1, Tn, T) or (B, 1, 1, S).
         """
@@ -260,14 +319,20 @@ class MultiHeadAttention(Module):
         if not (static and "k" in cache):
             k = self._split(self.k_proj(key))  # (B, H, Tn, dk), or (B, H, S, dk) for the memory
             v = self._split(self.v_proj(value))
-            if "k" in cache:  # self-attention: the earlier positions' keys and values, then the new ones
-                k, v = np.concatenate([cache["k"], k], axis=2), np.concatenate([cache["v"], v], axis=2)
-            cache["k"], cache["v"] = k, v
+            if static:  # cross-attention: the memory's keys and values, once
+                cache["k"], cache["v"] = k, v
+            else:  # self-attention: the new positions written after the earlier ones, in place (no copy of those)
+                cache_append(cache, "k", k, axis=2)
+                cache_append(cache, "v", v, axis=2)
         q = self._split(self.q_proj(query))  # (B, H, Tn, dk)
+        if self.attention == "flash":
+            return self.out_proj(self._merge(self._flash(q, cache["k"], cache["v"], mask)[0]))
         p = attention_weights(q, cache["k"], mask)  # (B, H, Tn, T)
         return self.out_proj(self._merge(self.dropout(p) @ cache["v"]))  # (B, Tn, d)
 
     def backward(self, grad_out: np.ndarray):
+        if isinstance(self._cache, _FlashSaved):  # after a tiled forward: the weights recomputed from lse
+            return self._backward_flash(grad_out)
         q, k, v, p, p_drop, out_shape = self._saved()
         check_grad("MultiHeadAttention", grad_out, out_shape, q.dtype)
         d_ctx = self._split(self.out_proj.backward(grad_out))  # (B, H, Tq, dk)
@@ -280,4 +345,20 @@ class MultiHeadAttention(Module):
         return d_query, d_key, d_value
 
     def extra_repr(self) -> str:
-        return f"d_model={self.d_model}, n_heads={self.n_heads}"
+        flash = f", attention='flash', block_size={self.block_size}" if self.attention == "flash" else ""
+        return f"d_model={self.d_model}, n_heads={self.n_heads}{flash}"
+
+
+def check_attention(owner: str, attention, block_size) -> tuple[str, int]:
+    """The attention option: "explicit" (weights formed, kept for inspection) or "flash" (tiled), and its block."""
+    return check_choice(owner, "attention", attention, ATTENTION), check_size(owner, "block_size", block_size)
+
+
+def use_attention(model, attention: str = "explicit", block_size: int = 64):
+    """Switch every MultiHeadAttention inside `model` to `attention` ("explicit" or "flash") with `block_size`;
+    returns the model. The weights are untouched: only how the heads compute softmax(q k^T / sqrt(dk)) v."""
+    attention, block_size = check_attention("use_attention", attention, block_size)
+    for _, m in model.named_modules():
+        if isinstance(m, MultiHeadAttention):
+            m.attention, m.block_size = attention, block_size
+    return model

@@ -32,7 +32,7 @@ import numpy as np
 from .functional import log_softmax
 from .module import check_indices
 
-__all__ = ["length_penalty", "greedy_decode", "beam_search", "sequence_scores", "reorder_cache"]
+__all__ = ["length_penalty", "greedy_decode", "beam_search", "sequence_scores", "reorder_cache", "cache_append"]
 
 
 def length_penalty(length, alpha: float = 0.6):
@@ -55,7 +55,7 @@ def greedy_decode(model, src: np.ndarray, bos_id: int, eos_id: int, max_len: int
         B = memory.shape[0]
         tgt = np.full((B, 1), bos_id, dtype=np.int64)  # the decoder's input: bos, then every choice so far
         done = np.zeros(B, dtype=bool)
-        cache = {} if use_cache else None
+        cache = {"capacity": max_len} if use_cache else None  # room for every position, once
         for _ in range(max_len):
             logits = _next_logits(model, tgt, memory, src_mask, cache)  # (B, V)
             logits[:, model.pad_id] = -np.inf  # pad is never generated
@@ -116,7 +116,7 @@ def beam_search(
         alive[:, 0] = 0.0  # be copies of it), the rest -inf, never chosen while a finite candidate is left
         complete = [[] for _ in range(B)]  # per source: (score, tokens) of its complete hypotheses
         done = np.zeros(B, dtype=bool)
-        cache = {} if use_cache else None
+        cache = {"capacity": max_len} if use_cache else None  # room for every position, once
         for t in range(1, max_len + 1):  # t = the length of the candidates
             logp = log_softmax(_next_logits(model, tgt, memory, src_mask, cache))  # (B*K, V)
             logp[:, model.pad_id] = -np.inf
@@ -175,15 +175,62 @@ def sequence_scores(model, src: np.ndarray, tokens: np.ndarray, bos_id: int, eos
 # -- the cache ------------------------------------------------------------------------------------------------------
 
 
+def cache_append(cache: dict, name: str, new: np.ndarray, axis: int) -> np.ndarray:
+    """Append `new` to cache[name] along `axis` without copying what is there: returns the grown cache[name].
+
+    The positions live in a buffer, cache[name + "_buf"], allocated once with room for cache["capacity"] positions
+    (the longest sequence the decoding will reach); each step writes its new positions in place, and cache[name]
+    is a view of the part written so far. Growing by concatenation instead copies every earlier position at every
+    step: quadratic in the length. (Past the capacity the buffer is reallocated at twice the size, so a cache
+    without one still costs amortized O(1) copies per position.) cache["preallocate"] = False does exactly that
+    concatenation instead, for comparison (chapter 15b, benchmarks/bench.py).
+    """
+    old, buf = cache.get(name), cache.get(name + "_buf")
+    if not cache.get("preallocate", True):  # the quadratic way, kept to measure the difference: copy all, each step
+        cache[name] = new if old is None else np.concatenate([old, new], axis=axis)
+        return cache[name]
+    t0 = 0 if old is None else old.shape[axis]
+    t1 = t0 + new.shape[axis]
+    if buf is None or buf.shape[axis] < t1:
+        shape = list(new.shape)
+        shape[axis] = max(t1, cache.get("capacity", 0), 2 * t0)
+        buf = np.empty(shape, dtype=new.dtype)  # not touched until written: room costs no time
+        if t0:
+            buf[_span(axis, 0, t0)] = old
+        cache[name + "_buf"] = buf
+    buf[_span(axis, t0, t1)] = new
+    cache[name] = buf[_span(axis, 0, t1)]  # a view: no copy
+    return cache[name]
+
+
+def _span(axis: int, start: int, stop: int) -> tuple:
+    """The index of positions start:stop along `axis` (every other axis whole)."""
+    return (slice(None),) * axis + (slice(start, stop),)
+
+
 def reorder_cache(cache: dict, rows: np.ndarray) -> dict:
     """The cache of `Transformer.decode_step` for the batch rows `rows` (repeats allowed), in that order: after a
     beam search step, new beam i continues the prefix of row rows[i], so it needs that row's keys and values.
-    (The cross-attention's memory keys and values are gathered too; within a source they are the same rows.)"""
-    if isinstance(cache, dict):
-        return {k: reorder_cache(v, rows) for k, v in cache.items()}
+    (The cross-attention's memory keys and values are gathered too; within a source they are the same rows.)
+    A preallocated buffer (see `cache_append`) is gathered into a new one of the same capacity, copying only the
+    positions written so far."""
     if isinstance(cache, list):
         return [reorder_cache(v, rows) for v in cache]
-    return cache[rows] if isinstance(cache, np.ndarray) else cache  # arrays are batch-first; the length stays
+    if not isinstance(cache, dict):
+        return cache[rows] if isinstance(cache, np.ndarray) else cache  # arrays are batch-first; the length stays
+    out = {}
+    for key, value in cache.items():
+        buf = cache.get(key + "_buf")
+        if key.endswith("_buf") and key[:-4] in cache:
+            continue  # handled with its view
+        if buf is None:
+            out[key] = reorder_cache(value, rows)
+            continue
+        used = tuple(slice(0, n) for n in value.shape[1:])  # the written part of the buffer
+        new_buf = np.empty((len(rows), *buf.shape[1:]), dtype=buf.dtype)
+        new_buf[(slice(None), *used)] = value[rows]
+        out[key + "_buf"], out[key] = new_buf, new_buf[(slice(None), *used)]
+    return out
 
 
 def _next_logits(model, tgt: np.ndarray, memory: np.ndarray, src_mask: np.ndarray, cache: dict | None) -> np.ndarray:

@@ -14,7 +14,8 @@ import math
 
 import numpy as np
 
-from .attention import decoder_mask, padding_mask
+from .attention import check_attention, decoder_mask, padding_mask, use_attention
+from .decoding import cache_append
 from .encoder_decoder import Decoder, Encoder, _check_bool, _check_positive
 from .layers import Dropout, Embedding, Linear
 from .module import (
@@ -59,6 +60,9 @@ class Transformer(Module):
       tie_output        the output projection's weight IS the target embedding matrix (the paper, section 3.4:
                         "we share the same weight matrix between the two embedding layers and the pre-softmax
                         linear transformation", after Press and Wolf, 2017).
+      attention         "explicit" (the weights formed, inspectable) or "flash" (tiled, `flash_attention`, in
+                        blocks of `block_size`): the same model to rounding; see `MultiHeadAttention`. Not part of
+                        the configuration (no weight depends on it); `use_attention(model, ...)` switches it later.
     A tied matrix is one Parameter object used in two (or three) places: each use adds its gradient into the
     same `.grad`, so the tied weight gets the sum of all uses, with no extra code.
 
@@ -98,6 +102,8 @@ class Transformer(Module):
         activation: str = "relu",
         final_norm: bool | None = None,
         *,
+        attention: str = "explicit",
+        block_size: int = 64,
         rng=None,
         dtype=np.float32,
     ):
@@ -126,6 +132,7 @@ class Transformer(Module):
         d_model, n_heads, d_ff, n_layers, max_len, pad_id = (c[k] for k in ("d_model", "n_heads", "d_ff", "n_layers",
                                                                             "max_len", "pad_id"))  # fmt: skip
         src_vocab_size, tgt_vocab_size = c["src_vocab_size"], c["tgt_vocab_size"]
+        attention, block_size = check_attention("Transformer", attention, block_size)
         self.d_model, self.max_len, self.pad_id = d_model, max_len, pad_id
         self.src_vocab_size, self.tgt_vocab_size = src_vocab_size, tgt_vocab_size
         dt, g = check_dtype(dtype), as_rng(rng)
@@ -151,6 +158,7 @@ class Transformer(Module):
         for _, p in [*self.encoder.named_parameters(), *self.decoder.named_parameters()]:
             if p.data.ndim == 2:
                 xavier_uniform_(p, g)
+        use_attention(self, attention, block_size)  # how every attention computes its heads (not a weight)
 
     def _make_positional(self, positional: str, g, dt) -> Module:
         if positional == "sinusoidal":  # no parameters; its own dropout unused (p=0): ours follows the sum
@@ -188,10 +196,14 @@ class Transformer(Module):
         Tn = 1, the last token, given the `cache` of every earlier call (a dict, empty at the first call; filled
         here). Equal to `decode(all tokens so far, ...)[:, -Tn:]`, at the cost of the new positions only:
 
-            cache["length"]  the number of target positions seen so far (the offset of the new ones)
-            cache["keep"]    (B, 1, 1, T) the padding mask of every target position so far
-            cache["layers"]  one dict per decoder layer: self_attn {"k", "v"} (B, H, T, dk), appended at each
-                             step; cross_attn {"k", "v"} (B, H, S, dk), the memory's, computed at the first step
+            cache["capacity"] the most positions it will hold (set it before the first call; default max_len):
+                              the target side's buffers are allocated once at that size and written in place
+            cache["preallocate"] False: grow by concatenation instead (every step copies every position), to compare
+            cache["length"]   the number of target positions seen so far (the offset of the new ones)
+            cache["keep"]     (B, 1, 1, T) the padding mask of every target position so far
+            cache["layers"]   one dict per decoder layer: self_attn {"k", "v"} (B, H, T, dk), appended at each
+                              step (views of the buffers "k_buf", "v_buf", see `cache_append`); cross_attn
+                              {"k", "v"} (B, H, S, dk), the memory's, computed at the first step
         """
         self._check_tokens("tgt_new", tgt_new, self.tgt_vocab_size)
         _check_cache(cache, tgt_new.shape[0])
@@ -201,11 +213,12 @@ class Transformer(Module):
         if memory.ndim != 3 or memory.shape[0] != tgt_new.shape[0]:
             raise ValueError(f"Transformer.decode_step: memory expected shape (B={tgt_new.shape[0]}, S, "
                              f"{self.d_model}), got {memory.shape}")  # fmt: skip
-        keep = padding_mask(tgt_new, self.pad_id)  # (B, 1, 1, Tn)
-        cache["keep"] = keep if t0 == 0 else np.concatenate([cache["keep"], keep], axis=-1)  # (B, 1, 1, T)
-        tgt_mask = cache["keep"] & np.tri(Tn, t0 + Tn, t0, dtype=bool)  # (B, 1, Tn, T): new i sees 0 .. t0 + i
+        cap = min(cache.setdefault("capacity", self.max_len), self.max_len)  # positions to make room for, once
+        keep = cache_append(cache, "keep", padding_mask(tgt_new, self.pad_id), axis=3)  # (B, 1, 1, T), in place
+        tgt_mask = keep & np.tri(Tn, t0 + Tn, t0, dtype=bool)  # (B, 1, Tn, T): new i sees 0 .. t0 + i
         y = self._embed(tgt_new, self.tgt_embed, self.tgt_pos, self.tgt_dropout, offset=t0)  # (B, Tn, d)
-        layers = cache.setdefault("layers", [{} for _ in self.decoder.layers])
+        room = {"capacity": cap, "preallocate": cache.get("preallocate", True)}
+        layers = cache.setdefault("layers", [{"self_attn": dict(room)} for _ in self.decoder.layers])
         y = self.decoder.forward_step(y, memory, layers, tgt_mask, src_mask)  # (B, Tn, d)
         cache["length"] = t0 + Tn
         self._cache = None  # inference only: a backward after this is an error

@@ -12,8 +12,10 @@ import math
 import torch
 from torch import nn
 
-from tfm_common.validate import check_sizes
+from tfm_common.validate import check_choice, check_size, check_sizes
 
+from .decoding import cache_append
+from .flash import flash_attention
 from .layers import Dropout, Linear
 from .module import as_generator, check_dtype, check_input
 
@@ -24,7 +26,11 @@ __all__ = [
     "causal_mask",
     "decoder_mask",
     "MultiHeadAttention",
+    "ATTENTION",
+    "use_attention",
 ]
+
+ATTENTION = ("explicit", "flash")
 
 
 # -- scaled dot-product attention ----------------------------------------------------------------------------
@@ -138,15 +144,29 @@ class MultiHeadAttention(nn.Module):
     """Multi-head attention, the twin of tfm_numpy.MultiHeadAttention (same submodules, same keys).
 
     forward(query (B, Tq, d), key (B, Tk, d), value (B, Tk, d), mask) -> (B, Tq, d); `attn_weights` keeps
-    the last softmax weights (B, H, Tq, Tk), detached, before dropout.
+    the last softmax weights (B, H, Tq, Tk), detached, before dropout. attention="flash" computes the heads with
+    `flash_attention` in tiles of `block_size` (its hand-written backward; `attn_weights` stays None; no dropout
+    on the weights, so training with dropout > 0 is refused), as in tfm_numpy.
     """
 
-    def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0, bias: bool = True, *, rng=None, dtype=None):
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        dropout: float = 0.0,
+        bias: bool = True,
+        *,
+        attention: str = "explicit",
+        block_size: int = 64,
+        rng=None,
+        dtype=None,
+    ):
         super().__init__()
         d_model, n_heads = check_sizes("MultiHeadAttention", d_model=d_model, n_heads=n_heads).values()
         if d_model % n_heads != 0:
             raise ValueError(f"MultiHeadAttention: d_model={d_model} must be divisible by n_heads={n_heads}")
         self.d_model, self.n_heads, self.d_head = d_model, n_heads, d_model // n_heads
+        self.attention, self.block_size = check_attention("MultiHeadAttention", attention, block_size)
         dt, g = check_dtype(dtype), as_generator(rng)
         self.q_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
         self.k_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
@@ -183,6 +203,9 @@ class MultiHeadAttention(nn.Module):
         q = self._split(self.q_proj(query))  # (B, H, Tq, dk)
         k = self._split(self.k_proj(key))  # (B, H, Tk, dk)
         v = self._split(self.v_proj(value))  # (B, H, Tk, dk)
+        if self.attention == "flash":
+            self.attn_weights = None
+            return self.out_proj(self._merge(self._flash(q, k, v, mask)))
         p = attention_weights(q, k, mask)  # (B, H, Tq, Tk)
         self.attn_weights = p.detach()
         ctx = self.dropout(p) @ v  # (B, H, Tq, dk)
@@ -191,17 +214,46 @@ class MultiHeadAttention(nn.Module):
     def forward_step(self, query, key, value, cache: dict, mask=None, *, static: bool = False) -> torch.Tensor:
         """`forward` for incremental decoding (inference), keeping keys and values in `cache` (as tfm_numpy's):
         static=False (self-attention) appends the new positions' keys and values to cache["k"], cache["v"]
-        (B, H, T, dk); static=True (cross-attention) projects the memory on the first call only."""
+        (B, H, T, dk), in place in preallocated buffers (see `cache_append`); static=True (cross-attention)
+        projects the memory on the first call only."""
         self._check(query, key, value)
         if not (static and "k" in cache):
             k = self._split(self.k_proj(key))  # (B, H, Tn, dk), or (B, H, S, dk) for the memory
             v = self._split(self.v_proj(value))
-            if "k" in cache:  # self-attention: the earlier positions' keys and values, then the new ones
-                k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)
-            cache["k"], cache["v"] = k, v
+            if static:  # cross-attention: the memory's keys and values, once
+                cache["k"], cache["v"] = k, v
+            else:  # self-attention: the new positions written after the earlier ones, in place (no copy of those)
+                cache_append(cache, "k", k, axis=2)
+                cache_append(cache, "v", v, axis=2)
         q = self._split(self.q_proj(query))  # (B, H, Tn, dk)
+        if self.attention == "flash":
+            return self.out_proj(self._merge(self._flash(q, cache["k"], cache["v"], mask)))
         p = attention_weights(q, cache["k"], mask)  # (B, H, Tn, T)
         return self.out_proj(self._merge(self.dropout(p) @ cache["v"]))  # (B, Tn, d)
 
+    def _flash(self, q, k, v, mask) -> torch.Tensor:
+        if self.training and self.dropout.p > 0:
+            raise ValueError(
+                f"MultiHeadAttention: attention='flash' has no dropout on the attention weights, got dropout="
+                f"{self.dropout.p} in training mode; use dropout=0.0, eval(), or attention='explicit'"
+            )
+        return flash_attention(q, k, v, mask, block_size=self.block_size)[0]  # (B, H, Tq, dk)
+
     def extra_repr(self) -> str:
-        return f"d_model={self.d_model}, n_heads={self.n_heads}"
+        flash = f", attention='flash', block_size={self.block_size}" if self.attention == "flash" else ""
+        return f"d_model={self.d_model}, n_heads={self.n_heads}{flash}"
+
+
+def check_attention(owner: str, attention, block_size) -> tuple[str, int]:
+    """The attention option: "explicit" (weights formed, kept for inspection) or "flash" (tiled), and its block."""
+    return check_choice(owner, "attention", attention, ATTENTION), check_size(owner, "block_size", block_size)
+
+
+def use_attention(model, attention: str = "explicit", block_size: int = 64):
+    """Switch every MultiHeadAttention inside `model` to `attention` ("explicit" or "flash") with `block_size`;
+    returns the model (as tfm_numpy.use_attention)."""
+    attention, block_size = check_attention("use_attention", attention, block_size)
+    for m in model.modules():
+        if isinstance(m, MultiHeadAttention):
+            m.attention, m.block_size = attention, block_size
+    return model

@@ -16,7 +16,7 @@ import torch
 from .functional import log_softmax
 from .module import check_indices
 
-__all__ = ["length_penalty", "greedy_decode", "beam_search", "sequence_scores", "reorder_cache"]
+__all__ = ["length_penalty", "greedy_decode", "beam_search", "sequence_scores", "reorder_cache", "cache_append"]
 
 
 def length_penalty(length, alpha: float = 0.6):
@@ -41,7 +41,7 @@ def greedy_decode(model, src: torch.Tensor, bos_id: int, eos_id: int, max_len: i
         B = memory.shape[0]
         tgt = torch.full((B, 1), bos_id, dtype=torch.long, device=memory.device)  # bos, then every choice so far
         done = torch.zeros(B, dtype=torch.bool, device=memory.device)
-        cache = {} if use_cache else None
+        cache = {"capacity": max_len} if use_cache else None  # room for every position, once
         for _ in range(max_len):
             logits = _next_logits(model, tgt, memory, src_mask, cache)  # (B, V)
             logits[:, model.pad_id] = -math.inf  # pad is never generated
@@ -87,7 +87,7 @@ def beam_search(
         alive[:, 0] = 0.0  # one live beam at first (the others would be copies of it)
         complete = [[] for _ in range(B)]  # per source: (score, tokens) of its complete hypotheses
         done = [False] * B
-        cache = {} if use_cache else None
+        cache = {"capacity": max_len} if use_cache else None  # room for every position, once
         for t in range(1, max_len + 1):  # t = the length of the candidates
             logp = log_softmax(_next_logits(model, tgt, memory, src_mask, cache))  # (B*K, V)
             logp[:, model.pad_id] = -math.inf
@@ -151,14 +151,52 @@ def sequence_scores(model, src: torch.Tensor, tokens: torch.Tensor, bos_id: int,
 # -- the cache ------------------------------------------------------------------------------------------------------
 
 
+def cache_append(cache: dict, name: str, new: torch.Tensor, axis: int) -> torch.Tensor:
+    """Append `new` to cache[name] along `axis` in place, in a buffer cache[name + "_buf"] of cache["capacity"]
+    positions allocated once; cache[name] is a view of the written part (as tfm_numpy.cache_append)."""
+    old, buf = cache.get(name), cache.get(name + "_buf")
+    if not cache.get("preallocate", True):  # the quadratic way, kept to measure the difference: copy all, each step
+        cache[name] = new if old is None else torch.cat([old, new], dim=axis)
+        return cache[name]
+    t0 = 0 if old is None else old.shape[axis]
+    t1 = t0 + new.shape[axis]
+    if buf is None or buf.shape[axis] < t1:
+        shape = list(new.shape)
+        shape[axis] = max(t1, cache.get("capacity", 0), 2 * t0)
+        buf = new.new_empty(shape)
+        if t0:
+            buf[_span(axis, 0, t0)] = old
+        cache[name + "_buf"] = buf
+    buf[_span(axis, t0, t1)] = new
+    cache[name] = buf[_span(axis, 0, t1)]  # a view: no copy
+    return cache[name]
+
+
+def _span(axis: int, start: int, stop: int) -> tuple:
+    return (slice(None),) * axis + (slice(start, stop),)
+
+
 def reorder_cache(cache: dict, rows: torch.Tensor) -> dict:
     """The cache of `Transformer.decode_step` for the batch rows `rows` (repeats allowed), in that order (as
-    tfm_numpy.reorder_cache): after a beam search step, each new beam needs its parent's keys and values."""
-    if isinstance(cache, dict):
-        return {k: reorder_cache(v, rows) for k, v in cache.items()}
+    tfm_numpy.reorder_cache): after a beam search step, each new beam needs its parent's keys and values. A
+    preallocated buffer is gathered into a new one of the same capacity, copying only the written positions."""
     if isinstance(cache, list):
         return [reorder_cache(v, rows) for v in cache]
-    return cache[rows] if isinstance(cache, torch.Tensor) else cache  # tensors are batch-first; the length stays
+    if not isinstance(cache, dict):
+        return cache[rows] if isinstance(cache, torch.Tensor) else cache  # tensors are batch-first
+    out = {}
+    for key, value in cache.items():
+        buf = cache.get(key + "_buf")
+        if key.endswith("_buf") and key[:-4] in cache:
+            continue  # handled with its view
+        if buf is None:
+            out[key] = reorder_cache(value, rows)
+            continue
+        used = tuple(slice(0, n) for n in value.shape[1:])
+        new_buf = buf.new_empty((len(rows), *buf.shape[1:]))
+        new_buf[(slice(None), *used)] = value[rows]
+        out[key + "_buf"], out[key] = new_buf, new_buf[(slice(None), *used)]
+    return out
 
 
 def _next_logits(model, tgt, memory, src_mask, cache: dict | None) -> torch.Tensor:

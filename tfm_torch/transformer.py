@@ -15,7 +15,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from .attention import decoder_mask, padding_mask
+from .attention import check_attention, decoder_mask, padding_mask, use_attention
+from .decoding import cache_append
 from .encoder_decoder import Decoder, Encoder, _check_bool, _check_positive, _Counted
 from .layers import Dropout, Embedding, Linear
 from .module import as_generator, check_dtype, check_indices, check_input, check_probability
@@ -74,6 +75,8 @@ class Transformer(_Counted):
         activation: str = "relu",
         final_norm: bool | None = None,
         *,
+        attention: str = "explicit",
+        block_size: int = 64,
         rng=None,
         dtype=None,
     ):
@@ -102,6 +105,7 @@ class Transformer(_Counted):
         d_model, n_heads, d_ff, n_layers, max_len, pad_id = (c[k] for k in ("d_model", "n_heads", "d_ff", "n_layers",
                                                                             "max_len", "pad_id"))  # fmt: skip
         src_vocab_size, tgt_vocab_size = c["src_vocab_size"], c["tgt_vocab_size"]
+        attention, block_size = check_attention("Transformer", attention, block_size)
         self.d_model, self.max_len, self.pad_id = d_model, max_len, pad_id
         self.src_vocab_size, self.tgt_vocab_size = src_vocab_size, tgt_vocab_size
         dt, g = check_dtype(dtype), as_generator(rng)
@@ -128,6 +132,7 @@ class Transformer(_Counted):
         for p in [*self.encoder.parameters(), *self.decoder.parameters()]:
             if p.dim() == 2:
                 xavier_uniform_(p, g)
+        use_attention(self, attention, block_size)  # how every attention computes its heads (not a weight)
 
     def _make_positional(self, positional: str, g, dt) -> nn.Module:
         if positional == "sinusoidal":  # no parameters; its own dropout unused (p=0): ours follows the sum
@@ -158,7 +163,8 @@ class Transformer(_Counted):
 
     def decode_step(self, tgt_new: torch.Tensor, memory: torch.Tensor, src_mask: torch.Tensor, cache: dict):
         """Incremental decoding (inference): the logits (B, Tn, V) of the new target tokens `tgt_new` (B, Tn) given
-        the `cache` of the earlier calls (a dict, empty at first, filled here; the layout of tfm_numpy's)."""
+        the `cache` of the earlier calls (a dict, empty at first, filled here; the layout of tfm_numpy's: the target
+        side's keys, values and padding mask in buffers of cache["capacity"] positions, written in place)."""
         self._check_tokens("tgt_new", tgt_new, self.tgt_vocab_size)
         _check_cache(cache, tgt_new.shape[0])
         t0, Tn = cache.get("length", 0), tgt_new.shape[1]
@@ -167,12 +173,13 @@ class Transformer(_Counted):
         if memory.dim() != 3 or memory.shape[0] != tgt_new.shape[0]:
             raise ValueError(f"Transformer.decode_step: memory expected shape (B={tgt_new.shape[0]}, S, "
                              f"{self.d_model}), got {tuple(memory.shape)}")  # fmt: skip
-        keep = padding_mask(tgt_new, self.pad_id)  # (B, 1, 1, Tn)
-        cache["keep"] = keep if t0 == 0 else torch.cat([cache["keep"], keep], dim=-1)  # (B, 1, 1, T)
+        cap = min(cache.setdefault("capacity", self.max_len), self.max_len)  # positions to make room for, once
+        keep = cache_append(cache, "keep", padding_mask(tgt_new, self.pad_id), axis=3)  # (B, 1, 1, T), in place
         causal = torch.ones(Tn, t0 + Tn, dtype=torch.bool, device=tgt_new.device).tril(t0)  # new i sees 0 .. t0 + i
-        tgt_mask = cache["keep"] & causal  # (B, 1, Tn, T)
+        tgt_mask = keep & causal  # (B, 1, Tn, T)
         y = self._embed(tgt_new, self.tgt_embed, self.tgt_pos, self.tgt_dropout, offset=t0)  # (B, Tn, d)
-        layers = cache.setdefault("layers", [{} for _ in self.decoder.layers])
+        room = {"capacity": cap, "preallocate": cache.get("preallocate", True)}
+        layers = cache.setdefault("layers", [{"self_attn": dict(room)} for _ in self.decoder.layers])
         y = self.decoder.forward_step(y, memory, layers, tgt_mask, src_mask)  # (B, Tn, d)
         cache["length"] = t0 + Tn
         return self.output_projection(y)  # (B, Tn, V)

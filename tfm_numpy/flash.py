@@ -1,0 +1,159 @@
+"""FlashAttention by hand, NumPy track: attention in tiles with the online softmax, forward and backward.
+
+The explicit attention (`scaled_dot_product_attention`) forms the scores S = Q K^T / sqrt(dk) and the weights
+P = softmax(S), two (..., Tq, Tk) arrays: memory quadratic in the length. Here the keys and values are read in
+blocks of `block_size`; for each block of queries a running row max m, a running sum l and an unnormalized
+output acc are kept (the online softmax), and only one (..., Br, Bc) tile of scores exists at a time:
+
+    m' = max(m, rowmax(S_ij))        l' = exp(m - m') l + rowsum(exp(S_ij - m'))
+    acc' = exp(m - m') acc + exp(S_ij - m') V_j         and at the end   O = acc / l,  lse = m + log(l)
+
+The backward (as FlashAttention-2, Dao 2023) saves only O and the per-row log-sum-exp `lse`, and recomputes
+each tile's probabilities P_ij = exp(S_ij - lse) from them; with D = rowsum(dO * O) (equal to rowsum(dP * P)):
+
+    dV_j += P_ij^T dO_i     dP_ij = dO_i V_j^T     dS_ij = P_ij * (dP_ij - D_i)
+    dQ_i += dS_ij K_j / sqrt(dk)     dK_j += dS_ij^T Q_i / sqrt(dk)
+
+Masks are boolean, True = may attend, and broadcast against the scores (..., Tq, Tk) as in `attention`
+((B, 1, 1, Tk) padding, (1, 1, T, T) causal); they are sliced tile by tile, and a tile with no allowed entry
+(above the diagonal of a causal mask) is skipped without computing its scores. A query row with nothing to
+attend to gives a zero output row and zero gradients, as the explicit attention does; its lse is -inf.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from tfm_common.validate import check_size
+
+from . import attention as _attention  # its checks, read at call time (attention imports this module)
+from .module import check_grad
+
+__all__ = ["flash_attention", "flash_attention_backward"]
+
+
+def _tiles(n: int, size: int) -> list[slice]:
+    """[0:size], [size:2 size], ...: the blocks of an axis of length n (the last one may be shorter)."""
+    return [slice(s, min(s + size, n)) for s in range(0, n, size)]
+
+
+def _mask_tile(mask, rows: slice, cols: slice):
+    """The mask's (..., Br, Bc) tile; an axis of size 1 (broadcast) is kept whole. None: no mask."""
+    if mask is None:
+        return None
+    return mask[..., rows if mask.shape[-2] > 1 else slice(None), cols if mask.shape[-1] > 1 else slice(None)]
+
+
+def _prepare(name: str, q, k, v, mask, block_size):
+    """Checks shared by forward and backward; the mask made at least 2-D so that its tiles can be sliced."""
+    _attention._check_qkv(q, k, v)
+    block = check_size(name, "block_size", block_size)
+    if mask is not None:
+        _attention._check_mask(mask, (*q.shape[:-1], k.shape[-2]))
+        mask = mask.reshape((1,) * (2 - mask.ndim) + mask.shape)
+    return block, mask
+
+
+def _count(stats: dict | None, **counts) -> None:
+    """Add to the optional I/O counters (elements read or written per tensor, tiles computed or skipped)."""
+    if stats is not None:
+        for key, n in counts.items():
+            stats[key] = stats.get(key, 0) + n
+
+
+def _scores(q_i, k_j, scale: float, m_ij):
+    """One tile of scores (..., Br, Bc), masked entries -inf (exp(-inf) = 0: they get no weight)."""
+    s = q_i @ np.swapaxes(k_j, -1, -2)  # (..., Br, dk) @ (..., dk, Bc) -> (..., Br, Bc), a new array
+    s *= scale
+    if m_ij is not None:
+        np.copyto(s, -np.inf, where=~m_ij)
+    return s
+
+
+def flash_attention(q, k, v, mask=None, *, block_size: int = 64, stats: dict | None = None):
+    """softmax(q k^T / sqrt(dk)) v in tiles of `block_size` queries x `block_size` keys, never forming (Tq, Tk).
+
+    q (..., Tq, dk), k (..., Tk, dk), v (..., Tk, dv); mask boolean, True = may attend, broadcasting to
+    (..., Tq, Tk). Returns (out (..., Tq, dv), lse (..., Tq)): lse is the log-sum-exp of each row's allowed scores,
+    what the backward needs instead of the weights (-inf, and out = 0, for a row with nothing to attend to).
+    `stats`, if a dict, counts the elements of Q, K, V read and of O written, and the tiles computed and skipped.
+    """
+    block, mask = _prepare("flash_attention", q, k, v, mask, block_size)
+    scale = 1.0 / math.sqrt(q.shape[-1])  # a python float: float32 stays float32
+    out = np.empty((*q.shape[:-1], v.shape[-1]), dtype=q.dtype)  # (..., Tq, dv)
+    lse = np.empty(q.shape[:-1], dtype=q.dtype)  # (..., Tq)
+    for rows in _tiles(q.shape[-2], block):
+        q_i = q[..., rows, :]  # (..., Br, dk): read once
+        _count(stats, q=q_i.size)
+        out[..., rows, :], lse[..., rows] = _forward_rows(q_i, k, v, mask, rows, block, scale, stats)
+        _count(stats, o=q_i.shape[-2] * v.shape[-1] * math.prod(q.shape[:-2]))
+    return out, lse
+
+
+def _forward_rows(q_i, k, v, mask, rows: slice, block: int, scale: float, stats):
+    """One block of queries against every block of keys: the online softmax. Returns (out_i, lse_i)."""
+    m = np.full((*q_i.shape[:-1], 1), -np.inf, dtype=q_i.dtype)  # (..., Br, 1): the row max so far
+    l = np.zeros_like(m)  # (..., Br, 1): sum of exp(s - m) so far  # noqa: E741
+    acc = np.zeros((*q_i.shape[:-1], v.shape[-1]), dtype=q_i.dtype)  # (..., Br, dv): sum of exp(s - m) v so far
+    for cols in _tiles(k.shape[-2], block):
+        m_ij = _mask_tile(mask, rows, cols)
+        if m_ij is not None and not m_ij.any():  # nothing allowed in this tile (causal: above the diagonal)
+            _count(stats, tiles_skipped=1)
+            continue
+        k_j, v_j = k[..., cols, :], v[..., cols, :]  # (..., Bc, dk), (..., Bc, dv)
+        _count(stats, k=k_j.size, v=v_j.size, tiles=1)
+        s = _scores(q_i, k_j, scale, m_ij)  # (..., Br, Bc)
+        m_new = np.maximum(m, s.max(axis=-1, keepdims=True))
+        shift = np.where(np.isfinite(m_new), m_new, 0)  # a row with nothing allowed yet: any finite shift
+        s -= shift
+        p = np.exp(s, out=s)  # (..., Br, Bc): exp(s - m'), in place
+        alpha = np.exp(m - shift)  # (..., Br, 1): rescales what was summed under the old max (0 at the start)
+        l = alpha * l + p.sum(axis=-1, keepdims=True)  # noqa: E741
+        acc *= alpha
+        acc += p @ v_j
+        m = m_new
+    empty = l == 0  # (..., Br, 1): rows with nothing to attend to
+    out_i = acc / np.where(empty, 1, l)  # acc is 0 there: a zero row, as the explicit attention gives
+    with np.errstate(divide="ignore"):  # log(0) = -inf for those rows, on purpose
+        lse_i = np.where(empty, -np.inf, m + np.log(l))
+    return out_i, lse_i[..., 0]
+
+
+def flash_attention_backward(grad_out, q, k, v, out, lse, mask=None, *, block_size: int = 64, stats=None):
+    """Backward of `flash_attention`: (dq, dk, dv) from dL/dout (..., Tq, dv), the forward's inputs, its out and lse.
+
+    The weights are not stored: each tile's P = exp(S - lse) is recomputed (FlashAttention-2). `mask` and
+    `block_size` as in the forward (any block size gives the same gradients, to rounding).
+    """
+    block, mask = _prepare("flash_attention_backward", q, k, v, mask, block_size)
+    check_grad("flash_attention", grad_out, out.shape, q.dtype)
+    if not isinstance(lse, np.ndarray) or lse.shape != q.shape[:-1] or lse.dtype != q.dtype:
+        got = f"shape {lse.shape}, dtype {lse.dtype}" if isinstance(lse, np.ndarray) else type(lse).__name__
+        raise ValueError(f"flash_attention_backward: lse expected shape {q.shape[:-1]}, dtype {q.dtype}, got {got}")
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    big_d = (grad_out * out).sum(axis=-1, keepdims=True)  # (..., Tq, 1): D_i = rowsum(dO * O) = rowsum(dP * P)
+    lse_safe = np.where(np.isfinite(lse), lse, 0)[..., None]  # (..., Tq, 1); rows with lse = -inf have P = 0
+    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    for cols in _tiles(k.shape[-2], block):  # outer loop over keys: dK_j, dV_j accumulate in one place
+        k_j, v_j = k[..., cols, :], v[..., cols, :]
+        _count(stats, k=k_j.size, v=v_j.size)
+        for rows in _tiles(q.shape[-2], block):
+            m_ij = _mask_tile(mask, rows, cols)
+            if m_ij is not None and not m_ij.any():
+                _count(stats, tiles_skipped=1)
+                continue
+            q_i, do_i = q[..., rows, :], grad_out[..., rows, :]
+            _count(stats, q=q_i.size, do=do_i.size, tiles=1)
+            s = _scores(q_i, k_j, scale, m_ij)  # (..., Br, Bc)
+            s -= lse_safe[..., rows, :]
+            p = np.exp(s, out=s)  # the forward's weights of this tile, recomputed
+            dv[..., cols, :] += np.swapaxes(p, -1, -2) @ do_i  # (..., Bc, Br) @ (..., Br, dv)
+            ds = do_i @ np.swapaxes(v_j, -1, -2)  # dP_ij (..., Br, Bc)
+            ds -= big_d[..., rows, :]
+            ds *= p  # dS = P * (dP - D)
+            ds *= scale  # through S = q k^T / sqrt(dk)
+            dq[..., rows, :] += ds @ k_j  # (..., Br, Bc) @ (..., Bc, dk)
+            dk[..., cols, :] += np.swapaxes(ds, -1, -2) @ q_i  # (..., Bc, Br) @ (..., Br, dk)
+    return dq, dk, dv

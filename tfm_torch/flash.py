@@ -1,0 +1,120 @@
+"""FlashAttention by hand, PyTorch track: the same tiled forward and backward as tfm_numpy.flash.
+
+`flash_attention` is a `torch.autograd.Function`: its forward runs the tiles without recording a graph (so no
+(Tq, Tk) array is kept for autograd either), saves q, k, v, the output and the per-row log-sum-exp, and its
+backward recomputes each tile's probabilities from them (FlashAttention-2), as tfm_numpy.flash_attention_backward
+does. Masks: boolean, True = may attend, broadcasting to (..., Tq, Tk); a fully masked query row gives a zero
+output, zero gradients and lse = -inf.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tfm_common.validate import check_size
+
+from . import attention as _attention  # its checks, read at call time (attention imports this module)
+
+__all__ = ["flash_attention", "flash_attention_backward"]
+
+
+def _tiles(n: int, size: int) -> list[slice]:
+    return [slice(s, min(s + size, n)) for s in range(0, n, size)]
+
+
+def _mask_tile(mask, rows: slice, cols: slice):
+    if mask is None:
+        return None
+    return mask[..., rows if mask.shape[-2] > 1 else slice(None), cols if mask.shape[-1] > 1 else slice(None)]
+
+
+def _prepare(name: str, q, k, v, mask, block_size):
+    _attention._check_qkv(q, k, v)
+    block = check_size(name, "block_size", block_size)
+    if mask is not None:
+        _attention._check_mask(mask, (*q.shape[:-1], k.shape[-2]))
+        mask = mask.reshape((1,) * (2 - mask.dim()) + tuple(mask.shape))
+    return block, mask
+
+
+def _scores(q_i, k_j, scale: float, m_ij):
+    s = (q_i @ k_j.transpose(-1, -2)) * scale  # (..., Br, Bc)
+    return s if m_ij is None else s.masked_fill(~m_ij, float("-inf"))
+
+
+def _forward(q, k, v, mask, block: int):
+    """The tiled forward with the online softmax: (out (..., Tq, dv), lse (..., Tq))."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+    lse = q.new_empty(q.shape[:-1])
+    for rows in _tiles(q.shape[-2], block):
+        q_i = q[..., rows, :]  # (..., Br, dk)
+        m = q_i.new_full((*q_i.shape[:-1], 1), float("-inf"))  # running row max
+        l = q_i.new_zeros(m.shape)  # running sum of exp(s - m)  # noqa: E741
+        acc = q_i.new_zeros((*q_i.shape[:-1], v.shape[-1]))  # running sum of exp(s - m) v
+        for cols in _tiles(k.shape[-2], block):
+            m_ij = _mask_tile(mask, rows, cols)
+            if m_ij is not None and not bool(m_ij.any()):  # a tile with nothing allowed: skipped
+                continue
+            s = _scores(q_i, k[..., cols, :], scale, m_ij)
+            m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
+            shift = torch.where(torch.isfinite(m_new), m_new, 0.0)  # nothing allowed yet: any finite shift
+            p = torch.exp(s - shift)
+            alpha = torch.exp(m - shift)
+            l = alpha * l + p.sum(dim=-1, keepdim=True)  # noqa: E741
+            acc = alpha * acc + p @ v[..., cols, :]
+            m = m_new
+        empty = l == 0
+        out[..., rows, :] = acc / torch.where(empty, 1.0, l)
+        lse[..., rows] = torch.where(empty, float("-inf"), m + torch.log(l))[..., 0]
+    return out, lse
+
+
+def flash_attention_backward(grad_out, q, k, v, out, lse, mask=None, *, block_size: int = 64):
+    """(dq, dk, dv) from dL/dout, the forward's inputs, out and lse: the tiles' P recomputed from lse."""
+    block, mask = _prepare("flash_attention_backward", q, k, v, mask, block_size)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    big_d = (grad_out * out).sum(dim=-1, keepdim=True)  # (..., Tq, 1): rowsum(dO * O)
+    lse_safe = torch.where(torch.isfinite(lse), lse, 0.0)[..., None]  # (..., Tq, 1)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for cols in _tiles(k.shape[-2], block):
+        k_j, v_j = k[..., cols, :], v[..., cols, :]
+        for rows in _tiles(q.shape[-2], block):
+            m_ij = _mask_tile(mask, rows, cols)
+            if m_ij is not None and not bool(m_ij.any()):
+                continue
+            q_i, do_i = q[..., rows, :], grad_out[..., rows, :]
+            p = torch.exp(_scores(q_i, k_j, scale, m_ij) - lse_safe[..., rows, :])  # (..., Br, Bc)
+            dv[..., cols, :] += p.transpose(-1, -2) @ do_i
+            ds = p * (do_i @ v_j.transpose(-1, -2) - big_d[..., rows, :]) * scale  # dS = P * (dP - D)
+            dq[..., rows, :] += ds @ k_j
+            dk[..., cols, :] += ds.transpose(-1, -2) @ q_i
+    return dq, dk, dv
+
+
+class _FlashAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, mask, block):
+        out, lse = _forward(q, k, v, mask, block)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.mask, ctx.block = mask, block
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = flash_attention_backward(grad_out, q, k, v, out, lse, ctx.mask, block_size=ctx.block)
+        return dq, dk, dv, None, None
+
+
+def flash_attention(q, k, v, mask=None, *, block_size: int = 64):
+    """softmax(q k^T / sqrt(dk)) v in tiles, as tfm_numpy.flash_attention: returns (out (..., Tq, dv), lse (..., Tq)).
+
+    Differentiable in q, k, v through the hand-written tiled backward (`flash_attention_backward`), not through
+    autograd of the loop; lse carries no gradient.
+    """
+    block, mask = _prepare("flash_attention", q, k, v, mask, block_size)
+    return _FlashAttention.apply(q, k, v, mask, block)
