@@ -16,5 +16,6 @@ from .positional import *  # noqa: F403
 from .sublayers import *  # noqa: F403
 from .train import *  # noqa: F403
 from .transformer import *  # noqa: F403
+from .vit import *  # noqa: F403
 
 __version__ = "0.1.0"
