@@ -15,7 +15,9 @@ from .module import Parameter as Parameter
 from .optim import *  # noqa: F403
 from .positional import *  # noqa: F403
 from .sublayers import *  # noqa: F403
+from .swin import *  # noqa: F403
 from .train import *  # noqa: F403
 from .transformer import *  # noqa: F403
+from .vit import *  # noqa: F403
 
 __version__ = "0.1.0"

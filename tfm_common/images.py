@@ -1,0 +1,133 @@
+"""Images for the vision chapters, shared by both tracks: the digits data set, its fixed split, the constructor
+checks of the vision models (one rule for both tracks) and a confidence interval for an accuracy.
+
+The data: scikit-learn's `load_digits`, 1,797 real 8x8 handwritten digits (grey levels 0..16) that ship inside
+the package (no download). `load_digits_split` makes one fixed stratified split: for each class separately, a
+seeded permutation puts `round(test_fraction * n_class)` of its images in the test set, so both sets have the
+class proportions of the whole. Pixels are scaled to [0, 1] (divided by 16); images are `(B, 1, 8, 8)`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+
+from .validate import check_choice, check_real, check_seed, check_size, check_sizes
+
+__all__ = [
+    "DigitsSplit",
+    "load_digits_split",
+    "upsample_nearest",
+    "wilson_interval",
+    "check_vit_config",
+    "check_swin_config",
+]
+
+POOLS = ("cls", "mean")
+
+
+class DigitsSplit:
+    """x_train (N, 1, 8, 8) float, y_train (N,) int64, x_test, y_test: the arrays of one fixed split."""
+
+    def __init__(self, x_train, y_train, x_test, y_test, dtype):
+        self.x_train, self.y_train = x_train.astype(dtype), y_train.astype(np.int64)
+        self.x_test, self.y_test = x_test.astype(dtype), y_test.astype(np.int64)
+
+    def __repr__(self) -> str:
+        return f"DigitsSplit(train={len(self.y_train)}, test={len(self.y_test)}, image={self.x_train.shape[1:]})"
+
+
+@functools.cache
+def _digits() -> tuple[np.ndarray, np.ndarray]:
+    """All 1,797 images (1797, 1, 8, 8) in [0, 1] and labels, read once per process (read-only copies)."""
+    from sklearn.datasets import load_digits  # imported here: only the vision chapters need scikit-learn
+
+    digits = load_digits()
+    x = digits.images.astype(np.float64)[:, None] / 16.0
+    y = digits.target.astype(np.int64)
+    x.flags.writeable = y.flags.writeable = False
+    return x, y
+
+
+def load_digits_split(seed: int = 0, test_fraction: float = 0.25, dtype=np.float32) -> DigitsSplit:
+    """The digits in one stratified split (see the module docstring); the same seed gives the same split."""
+    seed = check_seed("load_digits_split", seed)
+    test_fraction = check_real("load_digits_split", "test_fraction", test_fraction, 0.0, 1.0)
+    if not 0 < test_fraction < 1:
+        raise ValueError(f"load_digits_split: test_fraction must be in (0, 1), got {test_fraction!r}")
+    x, y = _digits()
+    rng = np.random.default_rng(seed)
+    test = np.zeros(len(y), dtype=bool)
+    for c in np.unique(y):
+        idx = rng.permutation(np.flatnonzero(y == c))  # this class's images in a seeded order
+        test[idx[: round(test_fraction * len(idx))]] = True
+    return DigitsSplit(x[~test], y[~test], x[test], y[test], dtype)
+
+
+def upsample_nearest(images: np.ndarray, factor: int) -> np.ndarray:
+    """(B, C, H, W) -> (B, C, factor H, factor W), every pixel repeated in a factor x factor block."""
+    factor = check_size("upsample_nearest", "factor", factor)
+    return images.repeat(factor, axis=-2).repeat(factor, axis=-1)
+
+
+def wilson_interval(correct: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval for a proportion correct / n (z = 1.96: 95%); unlike the normal approximation
+    p +- z sqrt(p (1 - p) / n) it stays inside [0, 1] and does not collapse to a point at p = 1."""
+    n = check_size("wilson_interval", "n", n)
+    correct = check_size("wilson_interval", "correct", correct, minimum=0)
+    if correct > n:
+        raise ValueError(f"wilson_interval: correct must be <= n={n}, got {correct}")
+    p, z2 = correct / n, z * z
+    center = (p + z2 / (2 * n)) / (1 + z2 / n)
+    half = z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
+    return center - half, center + half
+
+
+def _check_dropout(owner: str, dropout) -> float:
+    p = check_real(owner, "dropout", dropout, 0.0, 1.0)
+    if p >= 1:
+        raise ValueError(f"{owner}: dropout must be in [0, 1), got {dropout!r}")
+    return p
+
+
+def _check_patches(owner: str, image_size: int, patch_size: int) -> None:
+    if image_size % patch_size:
+        raise ValueError(f"{owner}: image_size={image_size} must be divisible by patch_size={patch_size}")
+
+
+def check_vit_config(owner: str, c: dict) -> dict:
+    """The ViT's constructor arguments, validated before anything is allocated (both tracks call this)."""
+    check_sizes(owner, **{k: c[k] for k in ("image_size", "patch_size", "in_channels", "n_classes", "d_model",
+                                            "n_heads", "d_ff", "n_layers")})  # fmt: skip
+    _check_patches(owner, c["image_size"], c["patch_size"])
+    if c["d_model"] % c["n_heads"]:
+        raise ValueError(f"{owner}: d_model={c['d_model']} must be divisible by n_heads={c['n_heads']}")
+    _check_dropout(owner, c["dropout"])
+    check_choice(owner, "pool", c["pool"], POOLS)
+    return dict(c)
+
+
+def check_swin_config(owner: str, c: dict) -> dict:
+    """The Swin classifier's constructor arguments (both tracks call this): every stage's token grid must split
+    into whole windows, and every stage but the last must have an even grid (patch merging halves it)."""
+    check_sizes(owner, **{k: c[k] for k in ("image_size", "patch_size", "in_channels", "n_classes", "d_model",
+                                            "window_size", "mlp_ratio")})  # fmt: skip
+    _check_patches(owner, c["image_size"], c["patch_size"])
+    depths, heads = tuple(c["depths"]), tuple(c["n_heads"])
+    if not depths or len(depths) != len(heads):
+        raise ValueError(f"{owner}: depths and n_heads must be non-empty and of one length, got {depths}, {heads}")
+    for i, (depth, h) in enumerate(zip(depths, heads, strict=True)):
+        check_size(owner, f"depths[{i}]", depth)
+        check_size(owner, f"n_heads[{i}]", h)
+        grid, dim = c["image_size"] // c["patch_size"] // 2**i, c["d_model"] * 2**i
+        if dim % h:
+            raise ValueError(f"{owner}: stage {i} has d_model {dim}, not divisible by n_heads[{i}]={h}")
+        if grid % c["window_size"]:
+            raise ValueError(f"{owner}: stage {i} has a {grid}x{grid} token grid, not divisible by "
+                             f"window_size={c['window_size']}")  # fmt: skip
+        if i < len(depths) - 1 and grid % 2:
+            raise ValueError(f"{owner}: stage {i} has an odd {grid}x{grid} grid: patch merging needs an even one")
+    _check_dropout(owner, c["dropout"])
+    return {**c, "depths": depths, "n_heads": heads}

@@ -1,0 +1,378 @@
+"""Swin Transformer pieces (Liu et al., 2021), NumPy track: attention inside windows, shifted windows with their
+mask, a relative position bias, patch merging, and a small classifier; forward and hand-written backward.
+
+Tokens live on an H x W grid, stored row-major as (B, H W, C) (the order `PatchEmbedding` gives). Inside a block
+they are viewed as (B, H, W, C) and cut into M x M windows:
+
+    window_partition   (B, H, W, C) -> (B nW, M M, C)      windows row-major, tokens row-major inside each
+    window_reverse     (B nW, M M, C) -> (B, H, W, C)       its inverse
+    cyclic_shift       (B, H, W, C) rolled by -s on both axes (cyclic_shift(x, -s) undoes it)
+
+All three only move entries, so each one's backward is its inverse applied to the gradient.
+`shifted_window_mask(H, W, M, s)` is boolean, (nW, M M, M M), True = may attend (the library's convention).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from tfm_common.images import check_swin_config
+from tfm_common.validate import check_size
+
+from .layers import Dropout, LayerNorm, Linear
+from .module import Module, ModuleList, Parameter, as_rng, check_dtype, check_grad, check_input
+from .sublayers import PositionwiseFeedForward
+from .vit import PatchEmbedding
+
+__all__ = [
+    "window_partition",
+    "window_reverse",
+    "cyclic_shift",
+    "shifted_window_mask",
+    "relative_position_index",
+    "WindowAttention",
+    "SwinBlock",
+    "PatchMerging",
+    "Swin",
+]
+
+
+def _check_grid(owner: str, H: int, W: int, window_size: int, shift: int = 0) -> None:
+    check_size(owner, "H", H)
+    check_size(owner, "W", W)
+    check_size(owner, "window_size", window_size)
+    check_size(owner, "shift", shift, minimum=0)
+    if H % window_size or W % window_size:
+        raise ValueError(f"{owner}: window_size={window_size} must divide H={H} and W={W}")
+    if shift >= window_size:
+        raise ValueError(f"{owner}: shift must be in [0, window_size={window_size}), got {shift}")
+
+
+def window_partition(x: np.ndarray, window_size: int) -> np.ndarray:
+    """(B, H, W, C) -> (B nW, M M, C): non-overlapping M x M windows, each a short sequence of its own."""
+    B, H, W, C = x.shape
+    _check_grid("window_partition", H, W, window_size)
+    M = window_size
+    x = x.reshape(B, H // M, M, W // M, M, C).transpose(0, 1, 3, 2, 4, 5)  # (B, H/M, W/M, M, M, C)
+    return x.reshape(-1, M * M, C)
+
+
+def window_reverse(windows: np.ndarray, window_size: int, H: int, W: int) -> np.ndarray:
+    """(B nW, M M, C) -> (B, H, W, C): the inverse of `window_partition`."""
+    _check_grid("window_reverse", H, W, window_size)
+    M, C = window_size, windows.shape[-1]
+    x = windows.reshape(-1, H // M, W // M, M, M, C).transpose(0, 1, 3, 2, 4, 5)  # (B, H/M, M, W/M, M, C)
+    return x.reshape(-1, H, W, C)
+
+
+def cyclic_shift(x: np.ndarray, shift: int) -> np.ndarray:
+    """(B, H, W, C) rolled up and left by `shift` (row i+s moves to row i, with wrap-around); -shift undoes it."""
+    return np.roll(x, (-shift, -shift), axis=(1, 2))
+
+
+def shifted_window_mask(H: int, W: int, window_size: int, shift: int) -> np.ndarray:
+    """(nW, M M, M M) bool, True = may attend, for windows taken after `cyclic_shift(x, shift)`.
+
+    After the roll, the last windows along each axis hold tokens from opposite edges of the image, side by side.
+    Label the shifted grid's rows by region, [0, H-M), [H-M, H-s), [H-s, H) (the last one wrapped around from
+    the top), the columns alike; two tokens may attend to each other iff their (row, column) labels are equal.
+    With shift = 0 every entry is True.
+    """
+    _check_grid("shifted_window_mask", H, W, window_size, shift)
+    M = window_size
+    label = np.zeros((1, H, W, 1), dtype=np.int64)
+    if shift:
+        edges = (slice(0, -M), slice(-M, -shift), slice(-shift, None))
+        for i, rows in enumerate(edges):
+            for j, cols in enumerate(edges):
+                label[:, rows, cols] = 3 * i + j
+    windows = window_partition(label, M)[..., 0]  # (nW, M M): each token's region
+    return windows[:, :, None] == windows[:, None, :]  # (nW, M M, M M)
+
+
+def relative_position_index(window_size: int) -> np.ndarray:
+    """(M M, M M) ints: for tokens i, j of a window, the row of the bias table for their offset
+    (dy, dx) = pos_i - pos_j, each in [-(M-1), M-1], numbered (dy + M - 1) (2M - 1) + (dx + M - 1)."""
+    M = check_size("relative_position_index", "window_size", window_size)
+    yy, xx = np.divmod(np.arange(M * M), M)  # each token's (row, column) in the window
+    dy, dx = yy[:, None] - yy[None, :], xx[:, None] - xx[None, :]
+    return (dy + M - 1) * (2 * M - 1) + (dx + M - 1)
+
+
+class WindowAttention(Module):
+    """Multi-head self-attention inside each window, with a learned relative position bias:
+
+        A = softmax(Q K^T / sqrt(dk) + B[index] + mask),   B = relative_position_bias_table ((2M-1)^2, heads)
+
+    forward(x (B nW, M M, d), mask (nW, M M, M M) bool or None) -> (B nW, M M, d); backward(dy) -> dx.
+    Projections named as in MultiHeadAttention (`q_proj`, `k_proj`, `v_proj`, `out_proj`). The bias table
+    starts N(0, 0.02^2). A masked pair gets weight exactly 0 (score -inf), as the library's attention does.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, window_size: int, dropout: float = 0.0, *, rng=None,
+                 dtype=np.float32):  # fmt: skip
+        super().__init__()
+        check_size("WindowAttention", "d_model", d_model)
+        check_size("WindowAttention", "n_heads", n_heads)
+        M = check_size("WindowAttention", "window_size", window_size)
+        if d_model % n_heads:
+            raise ValueError(f"WindowAttention: d_model={d_model} must be divisible by n_heads={n_heads}")
+        self.d_model, self.n_heads, self.d_head, self.window_size = d_model, n_heads, d_model // n_heads, M
+        dt, g = check_dtype(dtype), as_rng(rng)
+        self.q_proj = Linear(d_model, d_model, rng=g, dtype=dt)
+        self.k_proj = Linear(d_model, d_model, rng=g, dtype=dt)
+        self.v_proj = Linear(d_model, d_model, rng=g, dtype=dt)
+        self.out_proj = Linear(d_model, d_model, rng=g, dtype=dt)
+        table = 0.02 * g.standard_normal(((2 * M - 1) ** 2, n_heads))
+        self.relative_position_bias_table = Parameter(table.astype(dt))
+        self.index = relative_position_index(M)  # (M M, M M): a constant, not a parameter
+        self.dropout = Dropout(dropout, rng=g)  # on the attention weights
+        self.attn_weights: np.ndarray | None = None
+
+    def _split(self, x: np.ndarray) -> np.ndarray:
+        Bw, N, _ = x.shape
+        return x.reshape(Bw, N, self.n_heads, self.d_head).transpose(0, 2, 1, 3)  # (Bw, h, N, dk)
+
+    def _merge(self, x: np.ndarray) -> np.ndarray:
+        Bw, _, N, _ = x.shape
+        return x.transpose(0, 2, 1, 3).reshape(Bw, N, self.d_model)
+
+    def bias(self) -> np.ndarray:
+        """(heads, M M, M M): the table's rows gathered by the offset of each pair of tokens."""
+        return self.relative_position_bias_table.data[self.index].transpose(2, 0, 1)
+
+    def forward(self, x: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
+        N = self.window_size**2
+        check_input("WindowAttention", x, ndim_min=3, last_dim=self.d_model, dtype=self.q_proj.weight.dtype)
+        if x.ndim != 3 or x.shape[1] != N:
+            raise ValueError(f"WindowAttention: x expected shape (B nW, {N}, {self.d_model}), got {x.shape}")
+        q, k, v = (self._split(p(x)) for p in (self.q_proj, self.k_proj, self.v_proj))  # (Bw, h, N, dk)
+        scores = q @ k.transpose(0, 1, 3, 2) * (1.0 / math.sqrt(self.d_head)) + self.bias()  # (Bw, h, N, N)
+        keep = _window_mask(mask, x.shape[0], N)  # (Bw, 1, N, N) or None
+        p = _masked_softmax(scores, keep)
+        p_drop = self.dropout(p)
+        self.attn_weights = p
+        self._cache = (q, k, v, p, p_drop, x.shape)
+        return self.out_proj(self._merge(p_drop @ v))  # (Bw, N, d)
+
+    def backward(self, grad_out: np.ndarray) -> np.ndarray:
+        q, k, v, p, p_drop, shape = self._saved()
+        check_grad("WindowAttention", grad_out, shape, q.dtype)
+        d_ctx = self._split(self.out_proj.backward(grad_out))  # (Bw, h, N, dk)
+        dv = p_drop.transpose(0, 1, 3, 2) @ d_ctx
+        dp = self.dropout.backward(d_ctx @ v.transpose(0, 1, 3, 2))  # (Bw, h, N, N)
+        ds = p * (dp - (dp * p).sum(axis=-1, keepdims=True))  # softmax backward; 0 where masked (p = 0)
+        # the bias entered every window's scores: sum over windows, then scatter into the table rows by offset
+        d_bias = ds.sum(axis=0).transpose(1, 2, 0).reshape(-1, self.n_heads)  # (N N, h)
+        np.add.at(self.relative_position_bias_table.grad, self.index.reshape(-1), d_bias)
+        ds *= 1.0 / math.sqrt(self.d_head)
+        dq, dk = ds @ k, ds.transpose(0, 1, 3, 2) @ q
+        dx = self.q_proj.backward(self._merge(dq))
+        dx += self.k_proj.backward(self._merge(dk))
+        dx += self.v_proj.backward(self._merge(dv))  # x fed queries, keys and values: the gradients add
+        return dx
+
+    def extra_repr(self) -> str:
+        return f"d_model={self.d_model}, n_heads={self.n_heads}, window_size={self.window_size}"
+
+
+def _window_mask(mask, n_windows_total: int, N: int):
+    """(nW, N, N) bool -> (B nW, 1, N, N): window w of every image gets mask[w] (windows are image-major)."""
+    if mask is None:
+        return None
+    if not isinstance(mask, np.ndarray) or mask.dtype != np.bool_ or mask.ndim != 3 or mask.shape[1:] != (N, N):
+        got = f"{mask.dtype} {mask.shape}" if isinstance(mask, np.ndarray) else type(mask).__name__
+        raise ValueError(f"WindowAttention: mask expected a bool array (nW, {N}, {N}), got {got}")
+    if n_windows_total % mask.shape[0]:
+        raise ValueError(f"WindowAttention: {n_windows_total} windows is not a multiple of the mask's {mask.shape[0]}")
+    reps = n_windows_total // mask.shape[0]
+    return np.broadcast_to(mask[None], (reps, *mask.shape)).reshape(n_windows_total, 1, N, N)
+
+
+def _masked_softmax(scores: np.ndarray, keep) -> np.ndarray:
+    """Softmax over the last axis with masked entries at exactly 0 (every row here keeps its own token)."""
+    if keep is not None:
+        scores = np.where(keep, scores, -np.inf)
+    e = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+class SwinBlock(Module):
+    """One Swin Transformer block, Pre-LN, on a `resolution` = (H, W) grid of tokens x (B, H W, d):
+
+        x = x + dropout(reverse(WindowAttention(partition(shift(norm1(x))), mask)))   (then unshift)
+        x = x + dropout(ff(norm2(x)))
+
+    shift = 0: regular windows (W-MSA); shift = M // 2 in every other block: shifted windows (SW-MSA), so that
+    information crosses the window borders of the block before. The mask is built once, at construction.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, d_ff: int, resolution: tuple[int, int], window_size: int,
+                 shift: int = 0, dropout: float = 0.0, *, rng=None, dtype=np.float32):  # fmt: skip
+        super().__init__()
+        H, W = resolution
+        _check_grid("SwinBlock", H, W, window_size, shift)
+        check_size("SwinBlock", "d_ff", d_ff)
+        dt, g = check_dtype(dtype), as_rng(rng)
+        self.d_model, self.resolution, self.window_size, self.shift = d_model, (H, W), window_size, shift
+        self.norm1 = LayerNorm(d_model, dtype=dt)
+        self.attn = WindowAttention(d_model, n_heads, window_size, dropout, rng=g, dtype=dt)
+        self.norm2 = LayerNorm(d_model, dtype=dt)
+        self.ff = PositionwiseFeedForward(d_model, d_ff, dropout, "gelu", rng=g, dtype=dt)
+        self.dropout1 = Dropout(dropout, rng=g)
+        self.dropout2 = Dropout(dropout, rng=g)
+        self.mask = shifted_window_mask(H, W, window_size, shift) if shift else None  # (nW, M M, M M)
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        H, W = self.resolution
+        check_input("SwinBlock", x, ndim_min=3, last_dim=self.d_model, dtype=self.norm1.weight.dtype)
+        if x.ndim != 3 or x.shape[1] != H * W:
+            raise ValueError(f"SwinBlock: x expected shape (B, {H * W}, {self.d_model}), got {x.shape}")
+        self._cache = (x.shape, x.dtype)
+        x = x + self.dropout1(self._attend(self.norm1(x)))
+        return x + self.dropout2(self.ff(self.norm2(x)))  # (B, H W, d)
+
+    def _attend(self, x: np.ndarray) -> np.ndarray:
+        B, (H, W), M = x.shape[0], self.resolution, self.window_size
+        grid = cyclic_shift(x.reshape(B, H, W, -1), self.shift)  # (B, H, W, d)
+        out = self.attn(window_partition(grid, M), self.mask)  # (B nW, M M, d)
+        return cyclic_shift(window_reverse(out, M, H, W), -self.shift).reshape(B, H * W, -1)
+
+    def _attend_backward(self, grad_out: np.ndarray) -> np.ndarray:
+        B, (H, W), M = grad_out.shape[0], self.resolution, self.window_size
+        g = window_partition(cyclic_shift(grad_out.reshape(B, H, W, -1), self.shift), M)  # each step's inverse
+        dgrid = window_reverse(self.attn.backward(g), M, H, W)
+        return cyclic_shift(dgrid, -self.shift).reshape(B, H * W, -1)
+
+    def backward(self, grad_out: np.ndarray) -> np.ndarray:
+        check_grad("SwinBlock", grad_out, *self._saved())
+        dx = grad_out + self.norm2.backward(self.ff.backward(self.dropout2.backward(grad_out)))
+        return dx + self.norm1.backward(self._attend_backward(self.dropout1.backward(dx)))
+
+    def extra_repr(self) -> str:
+        return f"resolution={self.resolution}, window_size={self.window_size}, shift={self.shift}"
+
+
+class PatchMerging(Module):
+    """Halve the grid, double the width: each 2x2 group of tokens concatenated (4d), normalized, mapped to 2d.
+
+    x (B, H W, d) -> (B, H/2 W/2, 2d). The concatenation order is Swin's: (even row, even col), (odd, even),
+    (even, odd), (odd, odd). Submodules `norm` (LayerNorm(4d)) and `reduction` (Linear(4d, 2d), no bias).
+    """
+
+    def __init__(self, resolution: tuple[int, int], d_model: int, *, rng=None, dtype=np.float32):
+        super().__init__()
+        H, W = resolution
+        check_size("PatchMerging", "d_model", d_model)
+        if check_size("PatchMerging", "H", H) % 2 or check_size("PatchMerging", "W", W) % 2:
+            raise ValueError(f"PatchMerging: resolution must be even, got {resolution}")
+        dt = check_dtype(dtype)
+        self.resolution, self.d_model = (H, W), d_model
+        self.norm = LayerNorm(4 * d_model, dtype=dt)
+        self.reduction = Linear(4 * d_model, 2 * d_model, bias=False, rng=as_rng(rng), dtype=dt)
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        (H, W), d = self.resolution, self.d_model
+        check_input("PatchMerging", x, ndim_min=3, last_dim=d, dtype=self.norm.weight.dtype)
+        if x.ndim != 3 or x.shape[1] != H * W:
+            raise ValueError(f"PatchMerging: x expected shape (B, {H * W}, {d}), got {x.shape}")
+        self._cache = x.shape
+        B = x.shape[0]
+        # (B, H/2, 2 [row parity], W/2, 2 [col parity], d) -> (B, H/2, W/2, col parity, row parity, d): Swin's order
+        g = x.reshape(B, H // 2, 2, W // 2, 2, d).transpose(0, 1, 3, 4, 2, 5).reshape(B, H * W // 4, 4 * d)
+        return self.reduction(self.norm(g))  # (B, H W / 4, 2d)
+
+    def backward(self, grad_out: np.ndarray) -> np.ndarray:
+        shape = self._saved()
+        (H, W), d, B = self.resolution, self.d_model, shape[0]
+        check_grad("PatchMerging", grad_out, (B, H * W // 4, 2 * d), self.norm.weight.dtype)
+        dg = self.norm.backward(self.reduction.backward(grad_out))  # (B, H W / 4, 4d)
+        return dg.reshape(B, H // 2, W // 2, 2, 2, d).transpose(0, 1, 4, 2, 3, 5).reshape(shape)
+
+    def extra_repr(self) -> str:
+        return f"resolution={self.resolution}, d_model={self.d_model}"
+
+
+def _shift(j: int, window_size: int, grid: int) -> int:
+    """Block j of a stage: regular windows for even j, shifted by M // 2 for odd j (none if one window covers all)."""
+    return 0 if j % 2 == 0 or window_size >= grid else window_size // 2
+
+
+class Swin(Module):
+    """A small Swin classifier: patches -> stages of SwinBlocks (shift 0, M/2, 0, M/2, ...) with PatchMerging
+    between stages -> LayerNorm -> mean over tokens -> Linear. No absolute positions: the relative position
+    bias of every window attention carries where tokens are.
+
+    Stage i works on a (G / 2^i)^2 grid at width d_model 2^i with n_heads[i] heads and d_ff = mlp_ratio * width.
+    `model(images)` -> logits (B, n_classes); `backward(dlogits)` fills the gradients and returns dL/dimages.
+    """
+
+    def __init__(
+        self,
+        image_size: int,
+        patch_size: int,
+        in_channels: int,
+        n_classes: int,
+        d_model: int,
+        depths=(2, 2),
+        n_heads=(2, 4),
+        window_size: int = 4,
+        mlp_ratio: int = 2,
+        dropout: float = 0.0,
+        *,
+        rng=None,
+        dtype=np.float32,
+    ):
+        super().__init__()
+        self.config = c = check_swin_config("Swin", dict(
+            image_size=image_size, patch_size=patch_size, in_channels=in_channels, n_classes=n_classes,
+            d_model=d_model, depths=depths, n_heads=n_heads, window_size=window_size, mlp_ratio=mlp_ratio,
+            dropout=dropout))  # fmt: skip
+        dt, g = check_dtype(dtype), as_rng(rng)
+        self.patch_embed = PatchEmbedding(image_size, patch_size, in_channels, d_model, rng=g, dtype=dt)
+        self.dropout = Dropout(dropout, rng=g)
+        self.stages, self.merges = ModuleList(), ModuleList()
+        grid, dim = image_size // patch_size, d_model
+        for i, (depth, heads) in enumerate(zip(c["depths"], c["n_heads"], strict=True)):
+            blocks = [
+                SwinBlock(dim, heads, mlp_ratio * dim, (grid, grid), window_size, _shift(j, window_size, grid), dropout,
+                          rng=g, dtype=dt)
+                for j in range(depth)
+            ]  # fmt: skip
+            self.stages.append(ModuleList(blocks))
+            if i < len(c["depths"]) - 1:
+                self.merges.append(PatchMerging((grid, grid), dim, rng=g, dtype=dt))
+                grid, dim = grid // 2, dim * 2
+        self.norm = LayerNorm(dim, dtype=dt)
+        self.head = Linear(dim, n_classes, rng=g, dtype=dt)
+
+    def _blocks(self):
+        """Every module of the body in forward order."""
+        for i, stage in enumerate(self.stages):
+            yield from stage
+            if i < len(self.merges):
+                yield self.merges[i]
+
+    def forward(self, images: np.ndarray) -> np.ndarray:
+        x = self.dropout(self.patch_embed(images))  # (B, N, d)
+        for block in self._blocks():
+            x = block(x)
+        h = self.norm(x)  # (B, N', d')
+        logits = self.head(h.mean(axis=1))  # (B, K)
+        self._cache = (h.shape, logits.shape, logits.dtype)
+        return logits
+
+    def backward(self, grad_logits: np.ndarray) -> np.ndarray:
+        h_shape, *out = self._saved()
+        check_grad("Swin", grad_logits, *out)
+        d_pooled = self.head.backward(grad_logits)  # (B, d')
+        dx = self.norm.backward(np.repeat(d_pooled[:, None] / h_shape[1], h_shape[1], axis=1))
+        for block in reversed(list(self._blocks())):
+            dx = block.backward(dx)
+        return self.patch_embed.backward(self.dropout.backward(dx))  # (B, C, H, W)
+
+    def attention_weights(self) -> list[np.ndarray]:
+        """[(B nW, heads, M M, M M) per block] from the last forward."""
+        return [block.attn.attn_weights for stage in self.stages for block in stage]

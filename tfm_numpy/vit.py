@@ -1,0 +1,152 @@
+"""The Vision Transformer (Dosovitskiy et al., 2021), NumPy track: an image as a sequence of patches, read by a
+Pre-LN encoder, classified from one token.
+
+    images (B, C, H, W) -> patches (B, N, C p p) -> Linear -> (B, N, d)       N = (H / p) (W / p), row-major
+    [cls; patches] + learned positions -> dropout -> Encoder (Pre-LN, final LayerNorm) -> pool -> Linear -> (B, K)
+
+`pool="cls"` reads the class token's output (the paper); `pool="mean"` averages the patch tokens' outputs and has
+no class token. The encoder is the library's `Encoder(norm_first=True)` with GELU, unchanged: an image is just
+a sequence with no padding, so no mask.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tfm_common.images import check_vit_config
+
+from .encoder_decoder import Encoder
+from .layers import Dropout, Linear
+from .module import Module, Parameter, as_rng, check_dtype, check_grad, check_input
+from .positional import LearnedPositionalEmbedding
+
+__all__ = ["PatchEmbedding", "ViT", "patchify", "unpatchify"]
+
+
+def patchify(images: np.ndarray, patch_size: int) -> np.ndarray:
+    """(B, C, H, W) -> (B, N, C p p): patches in row-major order, each flattened channel-first as (C, p, p), the
+    order of a `Conv2d` weight (d, C, p, p), so that one Linear on patches IS a strided convolution."""
+    B, C, H, W = images.shape
+    gh, gw, p = H // patch_size, W // patch_size, patch_size
+    x = images.reshape(B, C, gh, p, gw, p)  # split each spatial axis into (grid, within-patch)
+    return x.transpose(0, 2, 4, 1, 3, 5).reshape(B, gh * gw, C * p * p)  # (B, gh, gw, C, p, p) -> (B, N, C p p)
+
+
+def unpatchify(patches: np.ndarray, patch_size: int, channels: int, height: int, width: int) -> np.ndarray:
+    """The inverse of `patchify` (B, N, C p p) -> (B, C, H, W); a permutation, so it is also patchify's backward."""
+    B, p = patches.shape[0], patch_size
+    gh, gw = height // p, width // p
+    x = patches.reshape(B, gh, gw, channels, p, p).transpose(0, 3, 1, 4, 2, 5)  # (B, C, gh, p, gw, p)
+    return x.reshape(B, channels, height, width)
+
+
+def _check_images(owner: str, images, channels: int, size: int, dtype) -> None:
+    check_input(owner, images, ndim_min=4, dtype=dtype)
+    if images.ndim != 4 or tuple(images.shape[1:]) != (channels, size, size):
+        raise ValueError(f"{owner}: images expected shape (B, {channels}, {size}, {size}), got {tuple(images.shape)}")
+
+
+class PatchEmbedding(Module):
+    """Cut (B, C, H, W) images into non-overlapping p x p patches and map each to d_model: (B, N, d_model).
+
+    A reshape and one Linear `proj` (weight (d_model, C p p)); equal to `Conv2d(C, d_model, p, stride=p)` whose
+    weight is `proj.weight.reshape(d_model, C, p, p)`. Backward: the Linear's, then the inverse reshape.
+    """
+
+    def __init__(self, image_size: int, patch_size: int, in_channels: int, d_model: int, *, rng=None,
+                 dtype=np.float32):  # fmt: skip
+        super().__init__()
+        c = dict(image_size=image_size, patch_size=patch_size, in_channels=in_channels, n_classes=1, d_model=d_model,
+                 n_heads=1, d_ff=1, n_layers=1, dropout=0.0, pool="cls")  # fmt: skip
+        check_vit_config("PatchEmbedding", c)
+        self.image_size, self.patch_size, self.in_channels, self.d_model = image_size, patch_size, in_channels, d_model
+        self.grid = image_size // patch_size
+        self.n_patches = self.grid * self.grid
+        self.proj = Linear(in_channels * patch_size * patch_size, d_model, rng=as_rng(rng), dtype=check_dtype(dtype))
+
+    def forward(self, images: np.ndarray) -> np.ndarray:
+        _check_images("PatchEmbedding", images, self.in_channels, self.image_size, self.proj.weight.dtype)
+        self._cache = images.shape
+        return self.proj(patchify(images, self.patch_size))  # (B, N, d)
+
+    def backward(self, grad_out: np.ndarray) -> np.ndarray:
+        B, C, H, W = self._saved()
+        check_grad("PatchEmbedding", grad_out, (B, self.n_patches, self.d_model), self.proj.weight.dtype)
+        return unpatchify(self.proj.backward(grad_out), self.patch_size, C, H, W)  # (B, C, H, W)
+
+    def extra_repr(self) -> str:
+        return f"image_size={self.image_size}, patch_size={self.patch_size}, n_patches={self.n_patches}"
+
+
+class ViT(Module):
+    """A Vision Transformer classifier. `model(images (B, C, H, W))` -> logits (B, n_classes);
+    `model.backward(dlogits)` fills every parameter's `.grad` and returns dL/dimages.
+
+    Parameters: `patch_embed.proj`, `cls_token` (1, 1, d) (pool="cls" only), `pos_embed.weight` (T, d) with
+    T = N + 1 (or N), the encoder's layers and final `norm`, and `head` (n_classes, d). The class token and the
+    positions start N(0, 0.02^2), as in the reference implementation; the Linears keep their default init.
+    """
+
+    def __init__(
+        self,
+        image_size: int,
+        patch_size: int,
+        in_channels: int,
+        n_classes: int,
+        d_model: int,
+        n_heads: int,
+        d_ff: int,
+        n_layers: int,
+        dropout: float = 0.0,
+        *,
+        pool: str = "cls",
+        rng=None,
+        dtype=np.float32,
+    ):
+        super().__init__()
+        self.config = check_vit_config("ViT", dict(
+            image_size=image_size, patch_size=patch_size, in_channels=in_channels, n_classes=n_classes,
+            d_model=d_model, n_heads=n_heads, d_ff=d_ff, n_layers=n_layers, dropout=dropout, pool=pool))  # fmt: skip
+        dt, g = check_dtype(dtype), as_rng(rng)
+        self.pool, self.d_model = pool, d_model
+        self.patch_embed = PatchEmbedding(image_size, patch_size, in_channels, d_model, rng=g, dtype=dt)
+        n_tokens = self.patch_embed.n_patches + (pool == "cls")
+        self.cls_token = Parameter((0.02 * g.standard_normal((1, 1, d_model))).astype(dt)) if pool == "cls" else None
+        self.pos_embed = LearnedPositionalEmbedding(n_tokens, d_model, rng=g, dtype=dt)
+        self.pos_embed.weight.data *= dt.type(0.02)
+        self.dropout = Dropout(dropout, rng=g)
+        self.encoder = Encoder(n_layers, d_model, n_heads, d_ff, dropout, "gelu", norm_first=True, rng=g, dtype=dt)
+        self.head = Linear(d_model, n_classes, rng=g, dtype=dt)
+
+    def forward(self, images: np.ndarray) -> np.ndarray:
+        x = self.patch_embed(images)  # (B, N, d)
+        if self.cls_token is not None:
+            cls = np.broadcast_to(self.cls_token.data, (x.shape[0], 1, self.d_model))
+            x = np.concatenate([cls, x], axis=1)  # (B, 1 + N, d): the class token first
+        h = self.encoder(self.dropout(self.pos_embed(x)))  # (B, T, d), final LayerNorm included
+        pooled = h[:, 0] if self.pool == "cls" else h.mean(axis=1)  # (B, d)
+        logits = self.head(pooled)  # (B, K)
+        self._cache = (h.shape, logits.shape, logits.dtype)
+        return logits
+
+    def backward(self, grad_logits: np.ndarray) -> np.ndarray:
+        h_shape, *out = self._saved()
+        check_grad("ViT", grad_logits, *out)
+        d_pooled = self.head.backward(grad_logits)  # (B, d)
+        if self.pool == "cls":
+            dh = np.zeros(h_shape, dtype=d_pooled.dtype)
+            dh[:, 0] = d_pooled  # only the class token's output was read
+        else:
+            dh = np.repeat(d_pooled[:, None] / h_shape[1], h_shape[1], axis=1)  # a mean: 1/T to every token
+        dx = self.pos_embed.backward(self.dropout.backward(self.encoder.backward(dh)))  # (B, T, d)
+        if self.cls_token is not None:
+            self.cls_token.grad += dx[:, :1].sum(axis=0, keepdims=True)  # one token shared by every image
+            dx = dx[:, 1:]
+        return self.patch_embed.backward(np.ascontiguousarray(dx))  # (B, C, H, W)
+
+    def attention_weights(self) -> list[np.ndarray]:
+        """[(B, H, T, T) per layer] from the last forward; with pool="cls", token 0 is the class token."""
+        return self.encoder.attention_weights()
+
+    def extra_repr(self) -> str:
+        return f"pool={self.pool!r}, n_patches={self.patch_embed.n_patches}"
