@@ -1,0 +1,181 @@
+"""Past one device, both tracks: gradient accumulation and activation recomputation, each equal to the single-device
+(single-batch, cached) run; bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from helpers_tracks import load_np_into_torch, max_abs_diff
+
+import tfm_numpy as tn
+import tfm_torch as tt
+from tfm_common.data import SYMBOLS, Batch, Vocab, encode_pairs, make_batches, reverse_task
+from tfm_common.parallel import split_batch
+
+VOCAB = Vocab(SYMBOLS[:8])
+TINY = dict(d_model=16, n_heads=2, d_ff=32, n_layers=2, max_len=32)
+
+
+def batches(n=64, batch_size=16, seed=0) -> list[Batch]:
+    pairs = reverse_task(n, 1, 9, 8, rng=seed)  # lengths 1..9: much padding, unequal tokens per micro-batch
+    return make_batches(encode_pairs(pairs, VOCAB, VOCAB), batch_size, rng=seed, sort_by_length=False)
+
+
+def np_model(dtype=np.float64, dropout=0.0, seed=0, **kw):
+    return tn.Transformer(len(VOCAB), len(VOCAB), **{**TINY, **kw}, dropout=dropout, rng=seed, dtype=dtype)
+
+
+def torch_twin(m, dtype=torch.float64, dropout=0.0, **kw):
+    t = tt.Transformer(len(VOCAB), len(VOCAB), **{**TINY, **kw}, dropout=dropout, rng=1, dtype=dtype)
+    load_np_into_torch(m, t)
+    return t
+
+
+def loss_fn(track, smoothing=0.1):
+    return track.CrossEntropyLoss(ignore_index=0, label_smoothing=smoothing)
+
+
+def max_param_diff(a, b, key_bias: bool = False) -> float:
+    """The largest weight difference; without the attention key biases unless key_bias. A key bias adds q.b to
+    every score of a row, which softmax ignores: its exact gradient is 0 and its computed one rounding noise
+    (~1e-18) that differs with the summation order; Adam (eps 1e-9) turns that into steps of ~lr * 1e-9."""
+    sa, sb = a.state_dict(), b.state_dict()
+    return max(max_abs_diff(v, sb[k]) for k, v in sa.items() if key_bias or "k_proj.bias" not in k)
+
+
+def max_grad_diff(a, b) -> float:
+    ga = a.grads() if isinstance(a, tn.Module) else {k: p.grad for k, p in a.named_parameters()}
+    gb = b.grads() if isinstance(b, tn.Module) else {k: p.grad for k, p in b.named_parameters()}
+    return max(max_abs_diff(v, gb[k]) for k, v in ga.items())
+
+
+# -- gradient accumulation ------------------------------------------------------------------------------------------
+
+
+def test_split_batch_keeps_every_row_and_token_and_trims_padding():
+    b = batches()[0]
+    parts = split_batch(b, 3)
+    assert [len(p) for p in parts] == [6, 5, 5]
+    assert sum(p.n_tokens for p in parts) == b.n_tokens
+    assert len({p.n_tokens for p in parts}) > 1  # the micro-batches hold different numbers of tokens
+    for p, rows in zip(parts, np.array_split(np.arange(len(b)), 3), strict=True):
+        assert np.array_equal(p.tgt_out, b.tgt_out[rows, : p.tgt_out.shape[1]])
+        assert (b.tgt_out[rows, p.tgt_out.shape[1] :] == 0).all()  # only padding was cut
+        assert (p.tgt_out[:, -1] != 0).any() and (p.src[:, -1] != 0).any()
+
+
+@pytest.mark.parametrize("k", [2, 4, 16])
+def test_accumulated_gradient_equals_the_full_batch_gradient_numpy_and_torch(k):
+    """k micro-batches weighted by tokens: the same loss, gradients and update as one batch, float64."""
+    b = batches()[0]
+    for track, make in ((tn, np_model), (tt, lambda: torch_twin(np_model()))):
+        full, acc = make(), make()
+        acc.load_state_dict(full.state_dict())
+        r_full = track.train_step(full, b, track.make_adam(full), loss_fn(track), 1e-2)
+        r_acc = track.train_step_accumulated(acc, split_batch(b, k), track.make_adam(acc), loss_fn(track), 1e-2)
+        assert abs(r_full.loss - r_acc.loss) < 1e-12 and abs(r_full.grad_norm - r_acc.grad_norm) < 1e-12
+        assert max_grad_diff(full, acc) < 1e-12  # measured ~1e-16
+        assert max_param_diff(full, acc) < 1e-12 and max_param_diff(full, acc, key_bias=True) < 1e-8
+
+
+def test_normalizing_by_micro_batches_is_wrong_with_padding():
+    """Weighting each micro-batch by 1/k (not n_i/N) changes the gradient when the token counts differ."""
+    b = batches()[0]
+    m1, m2 = np_model(), np_model()
+    tn.train_step_accumulated(m1, split_batch(b, 4), tn.make_adam(m1), loss_fn(tn), 1e-2)
+    r = tn.train_step_accumulated(m2, split_batch(b, 4), tn.make_adam(m2), loss_fn(tn), 1e-2, normalize="micro_batches")
+    m3 = np_model()
+    r_full = tn.train_step(m3, b, tn.make_adam(m3), loss_fn(tn), 1e-2)
+    assert abs(r.grad_norm - r_full.grad_norm) > 1e-4
+    assert max_param_diff(m1, m2) > 1e-6
+
+
+def test_train_with_accumulate_gives_the_same_history_and_weights_both_tracks():
+    data = batches()
+    for track, make in ((tn, np_model), (tt, lambda: torch_twin(np_model()))):
+        a, b = make(), make()
+        kw = dict(steps=6, warmup=4, progress=False)
+        h1 = track.train(a, data, track.make_adam(a), **kw)
+        h2 = track.train(b, data, track.make_adam(b), accumulate=3, **kw)
+        assert max(abs(x - y) for x, y in zip(h1.loss, h2.loss, strict=True)) < 1e-12
+        assert max_param_diff(a, b) < 1e-12 and max_param_diff(a, b, key_bias=True) < 1e-8
+
+
+@pytest.mark.parametrize("track", [tn, tt], ids=["numpy", "torch"])
+def test_accumulation_bad_input(track):
+    b = batches()[0]
+    m = np_model() if track is tn else torch_twin(np_model())
+    with pytest.raises(ValueError, match="k expected at most the batch size 16, got 17"):
+        track.split_batch(b, 17)
+    with pytest.raises(TypeError, match="k expected an int"):
+        track.split_batch(b, 2.0)
+    with pytest.raises(TypeError, match="micro_batches expected a non-empty list"):
+        track.train_step_accumulated(m, [], track.make_adam(m), loss_fn(track), 1e-2)
+    with pytest.raises(ValueError, match="normalize must be one of"):
+        track.train_step_accumulated(m, [b], track.make_adam(m), loss_fn(track), 1e-2, normalize="rows")
+    with pytest.raises(ValueError, match="accumulate"):
+        track.train(m, [b], track.make_adam(m), steps=1, accumulate=0, progress=False)
+
+
+# -- activation recomputation -------------------------------------------------------------------------------------
+
+
+def np_grads(model, b, seed_dropout=None):
+    model.zero_grad()
+    logits = model(b.src, b.tgt_in)
+    lf = loss_fn(tn)
+    lf(logits, b.tgt_out)
+    model.backward(lf.backward())
+    return {k: v.copy() for k, v in model.grads().items()}
+
+
+@pytest.mark.parametrize("norm_first", [False, True], ids=["post-ln", "pre-ln"])
+@pytest.mark.parametrize("dropout", [0.0, 0.2], ids=["no-dropout", "dropout"])
+def test_recompute_numpy_gives_the_cached_gradients_bit_for_bit(norm_first, dropout):
+    b = batches()[0]
+    cached, rec = np_model(dropout=dropout, norm_first=norm_first), np_model(dropout=dropout, norm_first=norm_first)
+    tn.recompute(rec)
+    assert list(rec.state_dict()) == list(cached.state_dict())  # keys unchanged
+    assert isinstance(rec.encoder.layers[0], tn.Recompute)
+    for _ in range(2):  # twice: the dropout generators continue as in the cached run
+        g1, g2 = np_grads(cached, b), np_grads(rec, b)
+        assert g1.keys() == g2.keys()
+        assert all(np.array_equal(g1[k], g2[k]) for k in g1)
+    assert rec.encoder.layers[0].self_attn._cache is not None  # rebuilt by backward
+    rec(b.src, b.tgt_in)
+    assert rec.encoder.layers[0].self_attn._cache is None  # dropped by forward
+    tn.recompute(rec, enabled=False)
+    assert not isinstance(rec.encoder.layers[0], tn.Recompute)
+
+
+def test_recompute_numpy_refuses_a_second_backward():
+    layer = tn.Recompute(tn.Linear(4, 3, rng=0, dtype=np.float64))
+    y = layer(np.ones((2, 4)))
+    layer.backward(np.ones_like(y))
+    with pytest.raises(RuntimeError, match="called twice"):
+        layer.backward(np.ones_like(y))
+    with pytest.raises(TypeError, match="Recompute: module expected"):
+        tn.Recompute(layer)
+    with pytest.raises(TypeError, match="enabled expected True or False"):
+        tn.recompute(np_model(), enabled=1)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.2], ids=["no-dropout", "dropout"])
+def test_recompute_torch_gives_the_cached_gradients(dropout):
+    b = batches()[0]
+    src, tgt_in, tgt_out = (torch.from_numpy(a) for a in (b.src, b.tgt_in, b.tgt_out))
+    m = np_model()
+    cached, rec = torch_twin(m, dropout=dropout), torch_twin(m, dropout=dropout)
+    tt.recompute(rec)
+    assert list(rec.state_dict()) == list(cached.state_dict())
+    for _ in range(2):
+        grads = []
+        for model in (cached, rec):
+            model.zero_grad(set_to_none=True)
+            loss_fn(tt)(model(src, tgt_in), tgt_out).backward()
+            grads.append({k: p.grad.clone() for k, p in model.named_parameters()})
+        assert grads[0].keys() == grads[1].keys()
+        assert all(torch.equal(grads[0][k], grads[1][k]) for k in grads[0])
+    tt.recompute(rec, enabled=False)
+    assert not isinstance(rec.encoder.layers[0], tt.Recompute)
