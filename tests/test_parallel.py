@@ -3,7 +3,11 @@
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import time
+
 import numpy as np
+import parallel_workers
 import pytest
 import torch
 from helpers_tracks import load_np_into_torch, max_abs_diff
@@ -11,7 +15,7 @@ from helpers_tracks import load_np_into_torch, max_abs_diff
 import tfm_numpy as tn
 import tfm_torch as tt
 from tfm_common.data import SYMBOLS, Batch, Vocab, encode_pairs, make_batches, reverse_task
-from tfm_common.parallel import split_batch
+from tfm_common.parallel import run_processes, split_batch
 
 VOCAB = Vocab(SYMBOLS[:8])
 TINY = dict(d_model=16, n_heads=2, d_ff=32, n_layers=2, max_len=32)
@@ -179,3 +183,82 @@ def test_recompute_torch_gives_the_cached_gradients(dropout):
         assert all(torch.equal(grads[0][k], grads[1][k]) for k in grads[0])
     tt.recompute(rec, enabled=False)
     assert not isinstance(rec.encoder.layers[0], tt.Recompute)
+
+
+# -- data parallelism: worker processes, the NumPy ring, DDP on gloo ------------------------------------------------
+
+
+def test_ring_collectives_in_three_processes():
+    rng = np.random.default_rng(0)
+    world, n = 3, 10  # chunks of 4, 3, 3 elements
+    xs = [rng.standard_normal(n) for _ in range(world)]
+    ring = tn.Ring(world, n)
+    try:
+        out = run_processes(parallel_workers.ring, world, (ring, xs), timeout=60)
+    finally:
+        ring.close()
+    total = sum(xs)
+    for rank, (shard, gathered, reduced, sent) in enumerate(out):
+        assert np.allclose(shard, np.array_split(total, world)[rank], rtol=0, atol=1e-14)
+        assert np.allclose(gathered, total, rtol=0, atol=1e-14) and np.allclose(reduced, total, rtol=0, atol=1e-14)
+        assert sent > 0
+    assert all(np.array_equal(o[2], out[0][2]) for o in out)  # every worker holds the very same sum
+    # each worker sends (W - 1) chunks in reduce-scatter and in all-gather: twice in the first two collectives
+    assert sum(o[3] for o in out) == 2 * 2 * (world - 1) * n * 8
+    assert tn.ring_bytes(n * 8 * world, world) == 2 * (world - 1) * n * 8
+
+
+def test_run_processes_stops_every_worker_on_failure_and_timeout():
+    with pytest.raises(RuntimeError, match="(?s)worker 1 failed:.*worker one fails"):
+        run_processes(parallel_workers.failing, 2, timeout=60)
+    assert mp.active_children() == []
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="timeout=1.0"):
+        run_processes(parallel_workers.sleeping, 2, timeout=1.0)
+    assert time.monotonic() - start < 30 and mp.active_children() == []
+
+
+@pytest.mark.parametrize("zero", [False, True], ids=["replicated", "zero"])
+def test_numpy_data_parallel_equals_one_process(zero):
+    """Two workers with the ring (and with ZeRO: sharded optimizer) give the weights of one process, float64."""
+    data = batches()[:3]
+    model, ref = np_model(), np_model()
+    out = tn.train_data_parallel(model, data, world=2, lr=1e-2, zero=zero, timeout=120)
+    opt = tn.Adam(ref.parameters(), lr=1e-2)
+    losses = [tn.train_step(ref, b, opt, loss_fn(tn, 0.0), 1e-2).loss for b in data]
+    for o in out:
+        assert max_param_diff(ref, _FromState(o["state"])) < 1e-12  # measured ~1e-16
+        assert max_param_diff(ref, _FromState(o["state"]), key_bias=True) < 1e-8
+    assert np.allclose(np.sum([o["losses"] for o in out], axis=0), losses, rtol=0, atol=1e-12)
+    n_bytes = ref.num_parameters() * 8
+    assert all(o["bytes_sent"] == 3 * tn.ring_bytes(n_bytes, 2) for o in out)  # per step: 2 (W-1)/W of the grads
+    moments = 2 * n_bytes // (2 if zero else 1)  # Adam's m and v: all of them, or this worker's half (ZeRO)
+    assert [o["optimizer_bytes"] for o in out] == [moments, moments]
+
+
+class _FromState:
+    def __init__(self, state):
+        self._state = state
+
+    def state_dict(self):
+        return self._state
+
+
+def test_torch_ddp_on_gloo_equals_one_process():
+    """DistributedDataParallel, 2 processes, gloo on this CPU, DistributedSampler: after 2 steps the weights of a
+    single process trained on the same global batches (float64). Time-limited; no process is left behind."""
+    ids = encode_pairs(reverse_task(32, 1, 9, 8, rng=0), VOCAB, VOCAB)
+    m = np_model()
+    model, ref = torch_twin(m), torch_twin(m)
+    start = time.monotonic()
+    out = tt.train_ddp(model, ids, batch_size=4, steps=2, world=2, lr=1e-2, timeout=90)
+    assert time.monotonic() - start < 90 and mp.active_children() == []
+    opt = tt.make_adam(ref, lr=1e-2)
+    for step in tt.sampler_batches(len(ids), 4, 2, 2):
+        b = make_batches([ids[i] for r in step for i in r], 8, shuffle=False, sort_by_length=False)[0]
+        tt.train_step(ref, b, opt, loss_fn(tt, 0.0), 1e-2)
+    for o in out:
+        assert max_param_diff(ref, _FromState(o["state"])) < 1e-12
+        assert max_param_diff(ref, _FromState(o["state"]), key_bias=True) < 1e-8
+    n_bytes = sum(p.numel() * 8 for p in ref.parameters())
+    assert all(sum(o["bucket_bytes"]) == 2 * n_bytes for o in out)  # every gradient all-reduced once per step

@@ -22,15 +22,25 @@ import contextlib
 
 import numpy as np
 
-from tfm_common.parallel import check_micro_batches, micro_weights, split_batch
+from tfm_common.parallel import check_micro_batches, micro_weights, run_processes, split_batch
 from tfm_common.training import StepResult, check_finite_step
-from tfm_common.validate import check_flag
+from tfm_common.validate import check_choice, check_flag, check_size
 
 from .loss import CrossEntropyLoss
-from .module import _CALLS, Module, ModuleList
+from .module import _CALLS, Module, ModuleList, Parameter
 from .optim import Adam, clip_grad_norm, set_lr
 
-__all__ = ["split_batch", "micro_weights", "train_step_accumulated", "Recompute", "recompute"]
+__all__ = [
+    "split_batch",
+    "micro_weights",
+    "train_step_accumulated",
+    "Recompute",
+    "recompute",
+    "Ring",
+    "RingMember",
+    "ring_bytes",
+    "train_data_parallel",
+]
 
 
 # -- gradient accumulation ---------------------------------------------------------------------------------------
@@ -167,3 +177,191 @@ def recompute(model: Module, enabled: bool = True) -> Module:
             elif not enabled and isinstance(layer, Recompute):
                 setattr(stack, key, layer.module)
     return model
+
+
+# -- collectives: a ring over shared memory ------------------------------------------------------------------------
+class Ring:
+    """The shared part of a ring of `world` workers: one slot per worker in a shared-memory block (large enough for
+    one chunk of the longest vector, `n` elements of `dtype`) and a barrier. Make it in the parent, pass it to the
+    workers, and in each worker take `ring.member(rank)`. `close()` (the parent, in a finally) frees the block.
+
+    One exchange: every worker writes what it sends into its own slot, waits for all, reads the slot of its left
+    neighbor (rank - 1), and waits again (so nobody overwrites a slot before it was read). Each worker sends to its
+    right neighbor only, so on a real network every link carries the same load at the same time.
+    """
+
+    def __init__(self, world: int, n: int, dtype=np.float64, *, context=None):
+        import multiprocessing as mp
+        from multiprocessing import shared_memory
+
+        self.world = check_size("Ring", "world", world)
+        self.chunk = -(-check_size("Ring", "n", n) // self.world)  # ceil(n / world): the largest chunk
+        self.dtype = np.dtype(dtype)
+        ctx = context or mp.get_context("spawn")
+        self.shm = shared_memory.SharedMemory(create=True, size=self.world * self.chunk * self.dtype.itemsize)
+        self.name = self.shm.name
+        self.barrier = ctx.Barrier(self.world)
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "shm"}  # workers attach by name
+
+    def member(self, rank: int) -> RingMember:
+        return RingMember(self, rank)
+
+    def close(self) -> None:
+        """Free the shared block (the parent, once every worker is done)."""
+        shm = self.__dict__.pop("shm", None)
+        if shm is not None:
+            shm.close()
+            shm.unlink()
+
+
+class RingMember:
+    """One worker's end of a `Ring`: all_reduce, reduce_scatter and all_gather of 1-D arrays, counting the bytes
+    this worker sends (`bytes_sent`). A vector of n elements is cut in `world` chunks (`np.array_split`);
+    reduce-scatter leaves worker r with chunk r of the sum, all-gather gives every worker every chunk."""
+
+    def __init__(self, ring: Ring, rank: int):
+        from multiprocessing import shared_memory
+
+        self.ring, self.rank, self.world = ring, rank, ring.world
+        self._shm = shared_memory.SharedMemory(name=ring.name)
+        self.slots = np.ndarray((ring.world, ring.chunk), dtype=ring.dtype, buffer=self._shm.buf)  # (W, chunk)
+        self.bytes_sent = 0
+
+    def _exchange(self, send: np.ndarray, recv_size: int) -> np.ndarray:
+        """Send `send` to the right neighbor; return what the left neighbor sent (recv_size elements)."""
+        self.slots[self.rank, : send.size] = send
+        self.ring.barrier.wait()
+        recv = self.slots[(self.rank - 1) % self.world, :recv_size].copy()
+        self.ring.barrier.wait()
+        self.bytes_sent += send.nbytes
+        return recv
+
+    def _chunks(self, x: np.ndarray) -> list[np.ndarray]:
+        if x.ndim != 1 or x.dtype != self.ring.dtype or x.size > self.ring.chunk * self.world:
+            raise ValueError(
+                f"Ring: expected a 1-D {self.ring.dtype} array of at most {self.ring.chunk * self.world} elements, "
+                f"got shape {x.shape} dtype {x.dtype}"
+            )
+        return [c.copy() for c in np.array_split(x, self.world)]
+
+    def reduce_scatter(self, x: np.ndarray) -> np.ndarray:
+        """Chunk `rank` of the sum over the workers of x: W - 1 steps, each sending one chunk to the right."""
+        buf, r, w = self._chunks(x), self.rank, self.world
+        for s in range(w - 1):
+            send, recv = (r - s - 1) % w, (r - s - 2) % w  # send the partial sum received last step (own at s=0)
+            buf[recv] += self._exchange(buf[send], buf[recv].size)
+        return buf[r]  # after W - 1 steps: every worker's contribution added, once
+
+    def all_gather(self, shard: np.ndarray, n: int) -> np.ndarray:
+        """The full vector of n elements from every worker's chunk (this worker's: `shard`, chunk `rank`)."""
+        buf, r, w = [c.copy() for c in np.array_split(np.zeros(n, self.ring.dtype), self.world)], self.rank, self.world
+        if shard.shape != buf[r].shape:
+            raise ValueError(f"Ring.all_gather: shard expected shape {buf[r].shape}, got {shard.shape}")
+        buf[r][...] = shard
+        for s in range(w - 1):
+            send, recv = (r - s) % w, (r - s - 1) % w  # pass on the chunk received last step (own at s=0)
+            buf[recv] = self._exchange(buf[send], buf[recv].size)
+        return np.concatenate(buf)
+
+    def all_reduce(self, x: np.ndarray) -> np.ndarray:
+        """The sum over the workers of x, on every worker: reduce-scatter, then all-gather. Each worker sends
+        2 (W - 1)/W of the vector, whatever W: the ring's bandwidth cost."""
+        return self.all_gather(self.reduce_scatter(x), x.size)
+
+    def close(self) -> None:
+        self.slots = None
+        self._shm.close()
+
+
+def ring_bytes(n_bytes: int, world: int, op: str = "all_reduce") -> int:
+    """Bytes each worker sends in a ring collective over a vector of n_bytes (chunks of equal size): (W-1)/W of it
+    for reduce-scatter or all-gather, twice that for all-reduce."""
+    check_choice("ring_bytes", "op", op, ("all_reduce", "reduce_scatter", "all_gather"))
+    return (2 if op == "all_reduce" else 1) * (world - 1) * n_bytes // world
+
+
+# -- data parallelism: every worker a replica (or a shard of the optimizer), one global batch per step ----------
+def _flat_grads(params) -> np.ndarray:
+    return np.concatenate([p.grad.ravel() for p in params])
+
+
+def _unflatten(flat: np.ndarray, params, attr: str) -> None:
+    offset = 0
+    for p in params:
+        getattr(p, attr)[...] = flat[offset : offset + p.data.size].reshape(p.shape)
+        offset += p.data.size
+
+
+def _data_parallel_worker(rank, world, model, batches, ring, lr, label_smoothing, zero):
+    """One worker: its rows of each global batch, the gradient of its share of the global loss, summed over the
+    ring; then either the full Adam step on every worker (plain data parallelism: replicated optimizer) or ZeRO:
+    reduce-scatter, Adam on this worker's chunk of the flat parameters only, all-gather of the new parameters."""
+    comm = ring.member(rank)
+    try:
+        params = model.parameters()
+        n = sum(p.data.size for p in params)
+        loss_fn = CrossEntropyLoss(ignore_index=0, label_smoothing=label_smoothing)
+        if zero:  # this worker owns chunk `rank` of the flat parameter vector, and its Adam moments only
+            flat = np.concatenate([p.data.ravel() for p in params])
+            shard = Parameter(np.array_split(flat, world)[rank].copy())
+            optimizer = Adam([shard], lr=lr)
+        else:
+            optimizer = Adam(params, lr=lr)
+        losses = []
+        for batch in batches:
+            local = split_batch(batch, world)[rank]  # this worker's rows, trimmed
+            model.zero_grad()
+            loss = loss_fn(model(local.src, local.tgt_in), local.tgt_out)
+            model.backward(loss_fn.backward(local.n_tokens / batch.n_tokens))  # its share of the global tokens
+            losses.append(float(loss) * local.n_tokens / batch.n_tokens)
+            if zero:
+                shard.grad = comm.reduce_scatter(_flat_grads(params))
+                optimizer.step()
+                _unflatten(comm.all_gather(shard.data, n), params, "data")
+            else:
+                _unflatten(comm.all_reduce(_flat_grads(params)), params, "grad")
+                optimizer.step()
+        opt_bytes = sum(a.nbytes for a in optimizer.exp_avg + optimizer.exp_avg_sq)
+        return {
+            "state": model.state_dict(),
+            "losses": losses,
+            "bytes_sent": comm.bytes_sent,
+            "optimizer_bytes": opt_bytes,
+            "param_bytes": sum(p.data.nbytes for p in params),
+        }
+    finally:
+        comm.close()
+
+
+def train_data_parallel(
+    model: Module,
+    batches,
+    *,
+    world: int = 2,
+    lr: float = 1e-3,
+    label_smoothing: float = 0.0,
+    zero: bool = False,
+    timeout: float = 120.0,
+) -> list[dict]:
+    """Train copies of `model` in `world` worker processes, one optimizer step (Adam, lr) per global batch of
+    `batches`, each worker computing the gradient on its rows; gradients combined by the NumPy ring. zero=True:
+    the optimizer state is sharded (ZeRO stage 2: reduce-scatter of gradients, all-gather of parameters).
+
+    Returns one dict per worker: its final "state" (a state_dict), its "losses" (its share of each global loss:
+    they sum to the global loss), "bytes_sent" by the ring, "optimizer_bytes" (Adam's moments it holds) and
+    "param_bytes". `model` itself is not changed. The workers are stopped and the shared memory freed, always."""
+    if not isinstance(model, Module):
+        raise TypeError(f"train_data_parallel: model expected a tfm_numpy Module, got {type(model).__name__}")
+    batches = check_micro_batches("train_data_parallel", batches)
+    world = check_size("train_data_parallel", "world", world)
+    if min(len(b) for b in batches) < world:
+        raise ValueError(f"train_data_parallel: every batch needs at least world={world} rows")
+    zero = check_flag("train_data_parallel", "zero", zero)
+    ring = Ring(world, sum(p.data.size for p in model.parameters()), model.param_dtype)
+    try:
+        args = (model, batches, ring, lr, label_smoothing, zero)
+        return run_processes(_data_parallel_worker, world, args, timeout=timeout)
+    finally:
+        ring.close()

@@ -9,19 +9,29 @@ generator; ours are explicit).
 from __future__ import annotations
 
 import contextlib
+import pickle
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from tfm_common.parallel import check_micro_batches, micro_weights, split_batch
+from tfm_common.data import Batch, make_batches
+from tfm_common.parallel import check_micro_batches, micro_weights, run_processes, split_batch
 from tfm_common.training import StepResult, check_finite_step
 from tfm_common.validate import check_flag
 
 from .loss import CrossEntropyLoss
 from .optim import clip_grad_norm, set_lr
 
-__all__ = ["split_batch", "micro_weights", "train_step_accumulated", "Recompute", "recompute"]
+__all__ = [
+    "split_batch",
+    "micro_weights",
+    "train_step_accumulated",
+    "Recompute",
+    "recompute",
+    "sampler_batches",
+    "train_ddp",
+]
 
 
 # -- gradient accumulation ---------------------------------------------------------------------------------------
@@ -146,3 +156,114 @@ def recompute(model: nn.Module, enabled: bool = True) -> nn.Module:
             elif not enabled and isinstance(layer, Recompute):
                 stack._modules[key] = layer.module
     return model
+
+
+# -- data parallelism on torch.distributed (gloo) ------------------------------------------------------------------
+def sampler_batches(n_pairs: int, batch_size: int, world: int, steps: int, seed: int = 0) -> list[list[list[int]]]:
+    """The indices each rank's `DistributedSampler` (shuffled with `seed`, epoch 0) puts in each of its first
+    `steps` batches of `batch_size`: [step][rank] -> indices. Their union per step is the global batch, what a
+    single process must train on to be compared."""
+    from torch.utils.data.distributed import DistributedSampler
+
+    per_rank = [list(DistributedSampler(range(n_pairs), num_replicas=world, rank=r, shuffle=True, seed=seed))
+                for r in range(world)]  # fmt: skip
+    if steps * batch_size > len(per_rank[0]):
+        raise ValueError(f"sampler_batches: {steps} steps of {batch_size} need {steps * batch_size} pairs per rank, "
+                         f"the sampler gives {len(per_rank[0])}")  # fmt: skip
+    return [[idx[s * batch_size : (s + 1) * batch_size] for idx in per_rank] for s in range(steps)]
+
+
+def _collate(pairs) -> Batch:
+    return make_batches(pairs, len(pairs), shuffle=False, sort_by_length=False)[0]
+
+
+def _ddp_worker(rank, world, store_path, model_bytes, pairs_ids, batch_size, steps, lr, seed, bucket_cap_mb, timeout):
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import DataLoader
+    from torch.utils.data.distributed import DistributedSampler
+
+    from .loss import CrossEntropyLoss
+    from .optim import make_adam
+
+    torch.set_num_threads(1)
+    model = pickle.loads(model_bytes)
+    # A FileStore for the rendezvous: torch's TCPStore listens on every interface; gloo itself on loopback only.
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout))  # fmt: skip
+    try:
+        ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)  # broadcasts rank 0's weights first
+        buckets: list[int] = []
+
+        def counting_hook(state, bucket):  # what DDP all-reduces: one call per bucket, during backward
+            buckets.append(bucket.buffer().numel() * bucket.buffer().element_size())
+            return allreduce_hook(None, bucket)
+
+        ddp.register_comm_hook(None, counting_hook)
+        sampler = DistributedSampler(pairs_ids, num_replicas=world, rank=rank, shuffle=True, seed=seed)
+        sampler.set_epoch(0)
+        loader = DataLoader(pairs_ids, batch_size=batch_size, sampler=sampler, collate_fn=_collate)
+        optimizer = make_adam(model, lr=lr)
+        loss_fn = CrossEntropyLoss(ignore_index=0)
+        losses, per_step = [], []
+        for _, batch in zip(range(steps), loader, strict=False):
+            n_global = torch.tensor(batch.n_tokens, dtype=torch.int64)
+            dist.all_reduce(n_global)  # the global batch's tokens: the loss is a mean over all of them
+            share = batch.n_tokens / int(n_global)  # a Python float: float64, whatever the model's dtype
+            src, tgt_in, tgt_out = (torch.from_numpy(a) for a in (batch.src, batch.tgt_in, batch.tgt_out))
+            optimizer.zero_grad(set_to_none=True)
+            n_before = len(buckets)
+            loss = loss_fn(ddp(src, tgt_in), tgt_out) * share  # this rank's share of the global mean
+            (loss * world).backward()  # DDP averages over ranks (divides by world): undo that, we want the sum
+            per_step.append(len(buckets) - n_before)
+            loss_sum = loss.detach().clone()
+            dist.all_reduce(loss_sum)
+            losses.append(loss_sum.item())
+            optimizer.step()
+        state = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+        return {"state": state, "losses": losses, "bucket_bytes": buckets, "buckets_per_step": per_step}
+    finally:
+        dist.destroy_process_group()
+
+
+def train_ddp(
+    model: nn.Module,
+    pairs_ids,
+    batch_size: int,
+    steps: int,
+    *,
+    world: int = 2,
+    lr: float = 1e-3,
+    seed: int = 0,
+    bucket_cap_mb: float = 25.0,
+    timeout: float = 120.0,
+) -> list[dict]:
+    """Train `model` with `DistributedDataParallel` in `world` processes on gloo (CPU), each reading its part of
+    `pairs_ids` through a `DistributedSampler` (`batch_size` pairs per rank and step), Adam with `lr`, `steps`
+    steps. The loss is the mean over the global batch's tokens (see `sampler_batches` for the global batches).
+
+    Returns one dict per rank: "state" (its final state_dict, NumPy arrays), "losses" (the global loss per step),
+    "bucket_bytes" (the size of every bucket DDP all-reduced) and "buckets_per_step". `model` is not changed.
+    Rendezvous through a temporary file; the workers are stopped and the file removed, always."""
+    import tempfile
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"train_ddp: model expected a torch.nn.Module, got {type(model).__name__}")
+    with tempfile.TemporaryDirectory(prefix="tfm_ddp_") as tmp:
+        # Plain pickle: multiprocessing's pickler would share the tensors through file descriptors.
+        args = (
+            f"{tmp}/store",
+            pickle.dumps(model),
+            list(pairs_ids),
+            batch_size,
+            steps,
+            lr,
+            seed,
+            bucket_cap_mb,
+            timeout,
+        )
+        return run_processes(_ddp_worker, world, args, timeout=timeout, env={"GLOO_SOCKET_IFNAME": "lo"})
