@@ -262,3 +262,55 @@ def test_torch_ddp_on_gloo_equals_one_process():
         assert max_param_diff(ref, _FromState(o["state"]), key_bias=True) < 1e-8
     n_bytes = sum(p.numel() * 8 for p in ref.parameters())
     assert all(sum(o["bucket_bytes"]) == 2 * n_bytes for o in out)  # every gradient all-reduced once per step
+
+
+# -- mixed precision ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("half", ["float16", "bfloat16"])
+def test_to_half_rounds_as_torch_does(half):
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.standard_normal(1000) * 10.0 ** rng.integers(-9, 9, 1000), [7e4, -7e4, 0.0, 1e-9]])
+    x = x.astype(np.float32)
+    ours, theirs = tn.to_half(x, half), tt.to_half(torch.from_numpy(x), half).numpy()
+    assert np.array_equal(ours, theirs, equal_nan=True)
+    assert np.isinf(ours[-4]) == (half == "float16")  # 70000 overflows float16, not bfloat16
+    assert ours.dtype == np.float32 and np.array_equal(tn.to_half(ours, half), ours)  # already representable
+
+
+@pytest.mark.parametrize("track", [tn, tt], ids=["numpy", "torch"])
+def test_loss_scaler_follows_torch_gradscaler_rule(track):
+    found = [False, False, True, False, False, False, True, True, False, False, False, False]
+    ours = track.LossScaler(init_scale=1024.0, growth_interval=3)
+    scale, tracker = torch.tensor([1024.0]), torch.tensor([0], dtype=torch.int32)
+    for f in found:
+        ours.update(f)
+        torch._amp_update_scale_(scale, tracker, torch.tensor([float(f)]), 2.0, 0.5, 3)
+        assert ours.scale == scale.item() and ours.good_steps == tracker.item()
+    assert ours.overflows == 3
+    with pytest.raises(ValueError, match="backoff must be in"):
+        track.LossScaler(backoff=2.0)
+
+
+@pytest.mark.parametrize("track", [tn, tt], ids=["numpy", "torch"])
+def test_mixed_step_skips_on_overflow_and_otherwise_tracks_float32(track):
+    data = batches()
+    m32 = np_model(dtype=np.float32)
+    make = (lambda: np_model(dtype=np.float32)) if track is tn else (lambda: torch_twin(m32, dtype=torch.float32))
+    model, ref = make(), make()
+    opt, opt_ref = track.make_adam(model), track.make_adam(ref)
+    scaler = track.LossScaler(init_scale=2.0**40)  # float16 gradients overflow at once
+    before = {k: v.clone() if track is tt else v.copy() for k, v in model.state_dict().items()}
+    r = track.train_step_mixed(model, data[0], opt, loss_fn(track), 1e-2, scaler, "float16")
+    assert r.skipped and scaler.scale == 2.0**39 and scaler.overflows == 1
+    assert all((model.state_dict()[k] == v).all() for k, v in before.items())  # nothing changed
+    scaler = track.LossScaler(init_scale=2.0**10)
+    for b in data:
+        r = track.train_step_mixed(model, b, opt, loss_fn(track), 1e-2, scaler, "float16")
+        r_ref = track.train_step(ref, b, opt_ref, loss_fn(track), 1e-2)
+        assert not r.skipped and abs(r.loss - r_ref.loss) < 0.05  # float16 storage: close, not equal
+    with pytest.raises(TypeError, match="float32 master weights"):
+        m64 = np_model() if track is tn else torch_twin(np_model())
+        track.train_step_mixed(m64, data[0], track.make_adam(m64), loss_fn(track), 1e-2)
+    with pytest.raises(ValueError, match="half must be one of"):
+        track.train_step_mixed(model, data[0], opt, loss_fn(track), 1e-2, half="float8")

@@ -19,12 +19,14 @@ for bit; the activations inside the layer live only while its backward runs.
 from __future__ import annotations
 
 import contextlib
+from typing import NamedTuple
 
 import numpy as np
 
+from tfm_common.data import Batch
 from tfm_common.parallel import check_micro_batches, micro_weights, run_processes, split_batch
 from tfm_common.training import StepResult, check_finite_step
-from tfm_common.validate import check_choice, check_flag, check_size
+from tfm_common.validate import check_choice, check_flag, check_real, check_size
 
 from .loss import CrossEntropyLoss
 from .module import _CALLS, Module, ModuleList, Parameter
@@ -40,6 +42,11 @@ __all__ = [
     "RingMember",
     "ring_bytes",
     "train_data_parallel",
+    "HALF",
+    "to_half",
+    "LossScaler",
+    "MixedStepResult",
+    "train_step_mixed",
 ]
 
 
@@ -365,3 +372,109 @@ def train_data_parallel(
         return run_processes(_data_parallel_worker, world, args, timeout=timeout)
     finally:
         ring.close()
+
+
+# -- mixed precision -------------------------------------------------------------------------------------------------
+HALF = ("float16", "bfloat16")
+
+
+def to_half(x: np.ndarray, half: str) -> np.ndarray:
+    """Round a float32/float64 array to the nearest float16 or bfloat16 value (ties to even), returned as float32:
+    half-precision *storage*, float32 arithmetic. float16 overflows to +-inf beyond 65504 and loses values below
+    6e-8; bfloat16 keeps float32's range with 8 bits of mantissa (NumPy has no bfloat16: its rounding is written
+    out on the float32 bit pattern)."""
+    check_choice("to_half", "half", half, HALF)
+    x32 = np.asarray(x, dtype=np.float32)
+    if half == "float16":
+        with np.errstate(over="ignore"):
+            return x32.astype(np.float16).astype(np.float32)
+    bits = x32.view(np.uint32).astype(np.uint64)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000  # round to nearest even on the top 16 bits
+    out = rounded.astype(np.uint32).view(np.float32)
+    return np.where(np.isnan(x32), x32, out).reshape(x32.shape)
+
+
+class LossScaler:
+    """Dynamic loss scaling (Micikevicius et al., 2018), the rule of `torch.amp.GradScaler`: multiply the loss by
+    `scale` before backward so that small gradients survive in float16; divide the gradients by it after. If any
+    gradient overflowed (inf or nan), skip the step and halve the scale (`backoff`); after `growth_interval`
+    steps in a row without overflow, double it (`growth`)."""
+
+    def __init__(self, init_scale: float = 2.0**16, growth: float = 2.0, backoff: float = 0.5,
+                 growth_interval: int = 2000):  # fmt: skip
+        self.scale = check_real("LossScaler", "init_scale", init_scale, 0.0)
+        self.growth = check_real("LossScaler", "growth", growth, 1.0)
+        self.backoff = check_real("LossScaler", "backoff", backoff, 0.0, 1.0)
+        self.growth_interval = check_size("LossScaler", "growth_interval", growth_interval)
+        self.good_steps = 0  # steps since the last overflow or growth
+        self.overflows = 0  # steps skipped so far
+
+    def update(self, found_inf: bool) -> None:
+        if found_inf:
+            self.scale *= self.backoff
+            self.good_steps = 0
+            self.overflows += 1
+            return
+        self.good_steps += 1
+        if self.good_steps == self.growth_interval:
+            self.scale *= self.growth
+            self.good_steps = 0
+
+
+class MixedStepResult(NamedTuple):
+    loss: float
+    grad_norm: float  # of the unscaled gradients; inf when the step was skipped
+    skipped: bool
+    scale: float  # the scale used for this step
+
+
+def train_step_mixed(
+    model: Module,
+    batch: Batch,
+    optimizer: Adam,
+    loss_fn: CrossEntropyLoss,
+    lr: float,
+    scaler: LossScaler | None = None,
+    half: str = "float16",
+    clip_norm: float | None = None,
+) -> MixedStepResult:
+    """One mixed-precision update of a float32 `model` (its parameters are the float32 master weights, Adam's
+    moments float32 too). The forward and backward see the weights rounded to `half` and the gradients are stored
+    in `half` (scaled by `scaler.scale`, so that small ones do not flush to zero); their unscaling, the overflow
+    check and the Adam step are float32. An overflow skips the step (the model and optimizer do not change) and
+    backs the scale off. Emulated: the arithmetic inside the layers stays float32."""
+    if model.param_dtype != np.float32:
+        raise TypeError(f"train_step_mixed: model expected float32 master weights, got {model.param_dtype}")
+    check_choice("train_step_mixed", "half", half, HALF)
+    params = optimizer.params
+    scale = 1.0 if scaler is None else scaler.scale
+    master = [p.data for p in params]
+    model.zero_grad()
+    try:  # an overflow (inf, then nan) is expected now and then: it is detected below, not warned about
+        for p in params:  # the half-precision copy of the weights that the matrix products read
+            p.data = to_half(p.data, half)
+        with np.errstate(over="ignore", invalid="ignore"):
+            logits = model(batch.src, batch.tgt_in)  # (B, T, V)
+            loss = float(loss_fn(to_half(logits, half), batch.tgt_out))
+            model.backward(to_half(loss_fn.backward(np.float32(scale)), half))  # scaled dL/dlogits, in half
+    finally:
+        for p, m in zip(params, master, strict=True):
+            p.data = m
+    with np.errstate(over="ignore", invalid="ignore"):
+        for p in params:  # gradients stored in half, unscaled in float32
+            p.grad = to_half(p.grad, half) / np.float32(scale)
+        from .train import grad_norm
+
+        norm = grad_norm(params)
+    found_inf = not np.isfinite(norm)
+    if scaler is not None:
+        scaler.update(found_inf)
+    if found_inf:
+        if scaler is None:
+            check_finite_step(loss, norm)
+        return MixedStepResult(loss, norm, True, scale)
+    if clip_norm is not None:
+        clip_grad_norm(params, clip_norm)
+    set_lr(optimizer, lr)
+    optimizer.step()
+    return MixedStepResult(loss, norm, False, scale)

@@ -9,7 +9,9 @@ generator; ours are explicit).
 from __future__ import annotations
 
 import contextlib
+import math
 import pickle
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -18,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 from tfm_common.data import Batch, make_batches
 from tfm_common.parallel import check_micro_batches, micro_weights, run_processes, split_batch
 from tfm_common.training import StepResult, check_finite_step
-from tfm_common.validate import check_flag
+from tfm_common.validate import check_choice, check_flag, check_real, check_size
 
 from .loss import CrossEntropyLoss
 from .optim import clip_grad_norm, set_lr
@@ -31,6 +33,11 @@ __all__ = [
     "recompute",
     "sampler_batches",
     "train_ddp",
+    "HALF",
+    "to_half",
+    "LossScaler",
+    "MixedStepResult",
+    "train_step_mixed",
 ]
 
 
@@ -267,3 +274,117 @@ def train_ddp(
             timeout,
         )
         return run_processes(_ddp_worker, world, args, timeout=timeout, env={"GLOO_SOCKET_IFNAME": "lo"})
+
+
+# -- mixed precision -------------------------------------------------------------------------------------------------
+HALF = ("float16", "bfloat16")
+_HALF_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def to_half(x: torch.Tensor, half: str) -> torch.Tensor:
+    """Round to the nearest float16 / bfloat16 value (torch's own conversion, ties to even), returned as float32:
+    the storage of `tfm_numpy.to_half`, whose bfloat16 rounding is written out by hand."""
+    check_choice("to_half", "half", half, HALF)
+    return x.to(torch.float32).to(_HALF_DTYPES[half]).to(torch.float32)
+
+
+class LossScaler:
+    """Dynamic loss scaling, as tfm_numpy's (and `torch.amp.GradScaler`'s rule, `torch._amp_update_scale_`):
+    on overflow skip the step and multiply the scale by `backoff`; after `growth_interval` good steps in a row
+    multiply it by `growth`."""
+
+    def __init__(self, init_scale: float = 2.0**16, growth: float = 2.0, backoff: float = 0.5,
+                 growth_interval: int = 2000):  # fmt: skip
+        self.scale = check_real("LossScaler", "init_scale", init_scale, 0.0)
+        self.growth = check_real("LossScaler", "growth", growth, 1.0)
+        self.backoff = check_real("LossScaler", "backoff", backoff, 0.0, 1.0)
+        self.growth_interval = check_size("LossScaler", "growth_interval", growth_interval)
+        self.good_steps = 0
+        self.overflows = 0
+
+    def update(self, found_inf: bool) -> None:
+        if found_inf:
+            self.scale *= self.backoff
+            self.good_steps = 0
+            self.overflows += 1
+            return
+        self.good_steps += 1
+        if self.good_steps == self.growth_interval:
+            self.scale *= self.growth
+            self.good_steps = 0
+
+
+class MixedStepResult(NamedTuple):
+    loss: float
+    grad_norm: float
+    skipped: bool
+    scale: float
+
+
+def train_step_mixed(
+    model: nn.Module,
+    batch: Batch,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: CrossEntropyLoss,
+    lr: float,
+    scaler: LossScaler | None = None,
+    half: str = "float16",
+    clip_norm: float | None = None,
+) -> MixedStepResult:
+    """The mixed-precision step of `tfm_numpy.train_step_mixed`, step for step: weights, logits and gradients
+    stored in `half`, float32 master weights, unscaling and Adam; an overflow skips the step. (The library's
+    layers accept float32/float64 only, so `torch.autocast`, which hands 16-bit tensors from layer to layer,
+    runs on `torch.nn` modules, not on these: see chapter 20.)"""
+    from .train import _params, grad_norm
+
+    params = _params(optimizer)
+    if params[0].dtype != torch.float32:
+        raise TypeError(f"train_step_mixed: model expected float32 master weights, got {params[0].dtype}")
+    check_choice("train_step_mixed", "half", half, HALF)
+    scale = 1.0 if scaler is None else scaler.scale
+    device = params[0].device
+    src, tgt_in, tgt_out = (torch.from_numpy(a).to(device) for a in (batch.src, batch.tgt_in, batch.tgt_out))
+    master = [p.detach().clone() for p in params]
+    model.zero_grad(set_to_none=True)
+    try:
+        with torch.no_grad():
+            for p in params:
+                p.copy_(to_half(p, half))
+        logits = model(src, tgt_in)
+        logits16 = _HalfGrad.apply(to_half(logits, half) + (logits - logits.detach()), half)
+        loss = loss_fn(logits16, tgt_out)
+        (loss * scale).backward()
+    finally:
+        with torch.no_grad():
+            for p, m in zip(params, master, strict=True):
+                p.copy_(m)
+    with torch.no_grad():
+        for p in params:
+            if p.grad is not None:
+                p.grad = to_half(p.grad, half) / scale
+    norm = grad_norm(params)
+    found_inf = not math.isfinite(norm)
+    if scaler is not None:
+        scaler.update(found_inf)
+    if found_inf:
+        if scaler is None:
+            check_finite_step(loss.item(), norm)
+        return MixedStepResult(loss.item(), norm, True, scale)
+    if clip_norm is not None:
+        clip_grad_norm(params, clip_norm)
+    set_lr(optimizer, lr)
+    optimizer.step()
+    return MixedStepResult(loss.item(), norm, False, scale)
+
+
+class _HalfGrad(torch.autograd.Function):
+    """Identity forward; the gradient flowing back is rounded to half (dL/dlogits stored in half, as NumPy's)."""
+
+    @staticmethod
+    def forward(ctx, x, half):
+        ctx.half = half
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return to_half(grad, ctx.half), None
