@@ -140,18 +140,23 @@ class Recompute(Module):
         gens = _generators(self.module)
         saved = [(g, g.bit_generator.state) for g in gens]
         out = self.module.forward(*args, **kwargs)
-        for _, m in self.module.named_modules():  # free every activation the layer cached
+        self._drop_caches()
+        self._cache = (args, kwargs, saved)
+        return out
+
+    def _drop_caches(self) -> None:
+        """Free every activation the layer cached (and its attention weights)."""
+        for _, m in self.module.named_modules():
             object.__setattr__(m, "_cache", None)
             if "attn_weights" in m.__dict__:
                 object.__setattr__(m, "attn_weights", None)
-        self._cache = (args, kwargs, saved)
-        return out
 
     def backward(self, grad_out):
         args, kwargs, saved = self._saved()
         with _replay(saved):
             self.module.forward(*args, **kwargs)  # rebuilds the caches: the very same values as the first forward
         out = self.module.backward(grad_out)
+        self._drop_caches()  # the recomputed activations live only while this layer's backward runs
         # The inputs are no longer needed; the used, emptied cache still makes a second backward an error.
         object.__setattr__(self, "_cache", ((), {}, []))
         return out
