@@ -313,3 +313,23 @@ def test_mixed_step_skips_on_overflow_and_otherwise_tracks_float32(track):
         track.train_step_mixed(m64, data[0], track.make_adam(m64), loss_fn(track), 1e-2)
     with pytest.raises(ValueError, match="half must be one of"):
         track.train_step_mixed(model, data[0], opt, loss_fn(track), 1e-2, half="float8")
+
+
+def test_torch_fsdp_fully_shard_on_gloo_equals_one_process():
+    """FSDP2 (`fully_shard`) on gloo, CPU: the same weights as one process; each rank holds half of the parameters
+    and of Adam's moments."""
+    ids = encode_pairs(reverse_task(32, 1, 9, 8, rng=0), VOCAB, VOCAB)
+    m = np_model()
+    model, ref = torch_twin(m), torch_twin(m)
+    out = tt.train_ddp(model, ids, batch_size=4, steps=2, world=2, lr=1e-2, shard=True, timeout=90)
+    assert mp.active_children() == []
+    opt = tt.make_adam(ref, lr=1e-2)
+    for step in tt.sampler_batches(len(ids), 4, 2, 2):
+        b = make_batches([ids[i] for r in step for i in r], 8, shuffle=False, sort_by_length=False)[0]
+        tt.train_step(ref, b, opt, loss_fn(tt, 0.0), 1e-2)
+    n_bytes = sum(p.numel() * 8 for p in ref.parameters())
+    for o in out:
+        assert max_param_diff(ref, _FromState(o["state"])) < 1e-12
+        assert max_param_diff(ref, _FromState(o["state"]), key_bias=True) < 1e-8
+        assert o["optimizer_bytes"] < 2 * n_bytes and o["param_bytes"] < n_bytes  # sharded: about half each
+    assert sum(o["param_bytes"] for o in out) == n_bytes and sum(o["optimizer_bytes"] for o in out) == 2 * n_bytes

@@ -184,7 +184,8 @@ def _collate(pairs) -> Batch:
     return make_batches(pairs, len(pairs), shuffle=False, sort_by_length=False)[0]
 
 
-def _ddp_worker(rank, world, store_path, model_bytes, pairs_ids, batch_size, steps, lr, seed, bucket_cap_mb, timeout):
+def _ddp_worker(rank, world, store_path, model_bytes, pairs_ids, batch_size, steps, lr, seed, bucket_cap_mb, timeout,
+                shard=False):  # fmt: skip
     import datetime
 
     import torch.distributed as dist
@@ -203,14 +204,19 @@ def _ddp_worker(rank, world, store_path, model_bytes, pairs_ids, batch_size, ste
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout))  # fmt: skip
     try:
-        ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)  # broadcasts rank 0's weights first
         buckets: list[int] = []
+        if shard:  # FSDP2: every parameter split across the ranks, gathered for each forward and backward
+            from torch.distributed.fsdp import fully_shard
 
-        def counting_hook(state, bucket):  # what DDP all-reduces: one call per bucket, during backward
-            buckets.append(bucket.buffer().numel() * bucket.buffer().element_size())
-            return allreduce_hook(None, bucket)
+            ddp = fully_shard(model)
+        else:
+            ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)  # broadcasts rank 0's weights first
 
-        ddp.register_comm_hook(None, counting_hook)
+            def counting_hook(state, bucket):  # what DDP all-reduces: one call per bucket, during backward
+                buckets.append(bucket.buffer().numel() * bucket.buffer().element_size())
+                return allreduce_hook(None, bucket)
+
+            ddp.register_comm_hook(None, counting_hook)
         sampler = DistributedSampler(pairs_ids, num_replicas=world, rank=rank, shuffle=True, seed=seed)
         sampler.set_epoch(0)
         loader = DataLoader(pairs_ids, batch_size=batch_size, sampler=sampler, collate_fn=_collate)
@@ -231,10 +237,26 @@ def _ddp_worker(rank, world, store_path, model_bytes, pairs_ids, batch_size, ste
             dist.all_reduce(loss_sum)
             losses.append(loss_sum.item())
             optimizer.step()
-        state = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
-        return {"state": state, "losses": losses, "bucket_bytes": buckets, "buckets_per_step": per_step}
+        state = {k: _full(v).numpy().copy() for k, v in model.state_dict().items()}  # (FSDP: gathered)
+        moments = [t for st in optimizer.state.values() for t in (st["exp_avg"], st["exp_avg_sq"])]
+        return {
+            "state": state,
+            "losses": losses,
+            "bucket_bytes": buckets,
+            "buckets_per_step": per_step,
+            "optimizer_bytes": sum(_local(t).numel() * t.element_size() for t in moments),
+            "param_bytes": sum(_local(p).numel() * p.element_size() for p in model.parameters()),
+        }
     finally:
         dist.destroy_process_group()
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def train_ddp(
@@ -247,6 +269,7 @@ def train_ddp(
     lr: float = 1e-3,
     seed: int = 0,
     bucket_cap_mb: float = 25.0,
+    shard: bool = False,
     timeout: float = 120.0,
 ) -> list[dict]:
     """Train `model` with `DistributedDataParallel` in `world` processes on gloo (CPU), each reading its part of
@@ -254,25 +277,20 @@ def train_ddp(
     steps. The loss is the mean over the global batch's tokens (see `sampler_batches` for the global batches).
 
     Returns one dict per rank: "state" (its final state_dict, NumPy arrays), "losses" (the global loss per step),
-    "bucket_bytes" (the size of every bucket DDP all-reduced) and "buckets_per_step". `model` is not changed.
+    "bucket_bytes" (the size of every bucket DDP all-reduced), "buckets_per_step", and the bytes of Adam's moments
+    and of the parameters this rank holds. shard=True: `fully_shard` (FSDP2) instead of DDP, every parameter and
+    its Adam moments split across the ranks (no bucket hook: "bucket_bytes" stays empty). `model` is not changed.
     Rendezvous through a temporary file; the workers are stopped and the file removed, always."""
     import tempfile
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"train_ddp: model expected a torch.nn.Module, got {type(model).__name__}")
+    shard = check_flag("train_ddp", "shard", shard)
+    batch_size, steps = check_size("train_ddp", "batch_size", batch_size), check_size("train_ddp", "steps", steps)
     with tempfile.TemporaryDirectory(prefix="tfm_ddp_") as tmp:
         # Plain pickle: multiprocessing's pickler would share the tensors through file descriptors.
-        args = (
-            f"{tmp}/store",
-            pickle.dumps(model),
-            list(pairs_ids),
-            batch_size,
-            steps,
-            lr,
-            seed,
-            bucket_cap_mb,
-            timeout,
-        )
+        model_bytes, pairs = pickle.dumps(model), list(pairs_ids)
+        args = (f"{tmp}/store", model_bytes, pairs, batch_size, steps, lr, seed, bucket_cap_mb, timeout, shard)
         return run_processes(_ddp_worker, world, args, timeout=timeout, env={"GLOO_SOCKET_IFNAME": "lo"})
 
 
