@@ -333,3 +333,17 @@ def test_torch_fsdp_fully_shard_on_gloo_equals_one_process():
         assert max_param_diff(ref, _FromState(o["state"]), key_bias=True) < 1e-8
         assert o["optimizer_bytes"] < 2 * n_bytes and o["param_bytes"] < n_bytes  # sharded: about half each
     assert sum(o["param_bytes"] for o in out) == n_bytes and sum(o["optimizer_bytes"] for o in out) == 2 * n_bytes
+
+
+def test_mixed_steps_agree_across_tracks():
+    """The same emulated float16 steps in both tracks: the same losses to float32 rounding, the same scale."""
+    data = batches()[:4]
+    m_np = np_model(dtype=np.float32)
+    m_t = torch_twin(m_np, dtype=torch.float32)
+    s_np, s_t = tn.LossScaler(growth_interval=2), tt.LossScaler(growth_interval=2)
+    o_np, o_t = tn.make_adam(m_np), tt.make_adam(m_t)
+    for b in data:
+        r_np = tn.train_step_mixed(m_np, b, o_np, loss_fn(tn), 1e-3, s_np, "float16")
+        r_t = tt.train_step_mixed(m_t, b, o_t, loss_fn(tt), 1e-3, s_t, "float16")
+        assert abs(r_np.loss - r_t.loss) < 1e-4 and abs(r_np.grad_norm - r_t.grad_norm) < 1e-3 * r_np.grad_norm
+        assert (r_np.skipped, r_np.scale) == (r_t.skipped, r_t.scale)

@@ -369,7 +369,8 @@ def train_step_mixed(
             for p in params:
                 p.copy_(to_half(p, half))
         logits = model(src, tgt_in)
-        logits16 = _HalfGrad.apply(to_half(logits, half) + (logits - logits.detach()), half)
+        # the value rounded to half, the gradient passed straight through to the logits (and rounded by _HalfGrad)
+        logits16 = _HalfGrad.apply(to_half(logits.detach(), half) + (logits - logits.detach()), half)
         loss = loss_fn(logits16, tgt_out)
         (loss * scale).backward()
     finally:
