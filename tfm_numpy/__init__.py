@@ -13,6 +13,7 @@ from .module import Module as Module
 from .module import ModuleList as ModuleList
 from .module import Parameter as Parameter
 from .optim import *  # noqa: F403
+from .parallel import *  # noqa: F403
 from .positional import *  # noqa: F403
 from .sublayers import *  # noqa: F403
 from .swin import *  # noqa: F403

@@ -34,12 +34,14 @@ from tfm_common.training import (
     import_tqdm,
     n_total_steps,
 )
+from tfm_common.validate import check_size
 
 from .checkpoint import save_checkpoint
 from .decoding import greedy_decode
 from .loss import CrossEntropyLoss
 from .module import Module, Parameter
 from .optim import Adam, clip_grad_norm, noam_lr, set_lr
+from .parallel import split_batch, train_step_accumulated
 
 __all__ = ["History", "StepResult", "Evaluation", "grad_norm", "train_step", "train", "evaluate"]
 
@@ -87,6 +89,7 @@ def train(
     label_smoothing: float | None = None,
     loss_fn: CrossEntropyLoss | None = None,
     clip_norm: float | None = None,
+    accumulate: int = 1,
     eval_fn=None,
     eval_every: int | None = None,
     checkpoint_path=None,
@@ -110,6 +113,8 @@ def train(
     loss         `loss_fn` if given, else `CrossEntropyLoss(ignore_index=PAD_ID, label_smoothing)`
                  (label_smoothing 0.1 by default, the paper's)
     clip_norm    clip the global gradient norm to this value (None: no clipping)
+    accumulate   split each batch into this many micro-batches (`split_batch`) and accumulate their gradients
+                 (`train_step_accumulated`, weighted by tokens): the same updates, a fraction of the memory
     eval_fn      `model -> dict` of metrics (e.g. `lambda m: evaluate(m, valid_pairs, ...).metrics()`), called
                  every `eval_every` steps and after the last one; stored in `history.evals` with the step
     checkpoint_path  save model, optimizer and history there (`save_checkpoint`) every `checkpoint_every`
@@ -142,6 +147,7 @@ def train(
         )
     elif label_smoothing is not None:
         raise ValueError(f"{name}: give label_smoothing or loss_fn, not both (the loss_fn has its own)")
+    accumulate = check_size(name, "accumulate", accumulate)
     total = n_total_steps(batches, steps, epochs)
     cooldown = check_cooldown(name, cooldown, total)
     if history is None:
@@ -160,7 +166,7 @@ def train(
             step = optimizer.step_count + 1
             lr = float(lr_schedule(step)) * cooldown_scale(done + 1, total, cooldown)
             try:
-                result = train_step(model, batch, optimizer, loss_fn, lr, clip_norm)
+                result = _step(model, batch, optimizer, loss_fn, lr, clip_norm, accumulate)
             except FloatingPointError as e:  # raised before the update: the model is as it was after step - 1
                 raise FloatingPointError(f"{name}: at step {step} (lr {lr:.3g}): {e}") from e
             history.append(step, result, lr, batch.n_tokens)
@@ -185,6 +191,13 @@ def train(
             bar.close()
         model.train(was_training)
     return history
+
+
+def _step(model, batch, optimizer, loss_fn, lr: float, clip_norm, accumulate: int) -> StepResult:
+    if accumulate == 1:
+        return train_step(model, batch, optimizer, loss_fn, lr, clip_norm)
+    micro = split_batch(batch, min(accumulate, len(batch)))
+    return train_step_accumulated(model, micro, optimizer, loss_fn, lr, clip_norm)
 
 
 def _evaluate_into(history: History, eval_fn, model: Module, step: int) -> None:

@@ -10,6 +10,7 @@ from .gradcheck import *  # noqa: F403
 from .layers import *  # noqa: F403
 from .loss import *  # noqa: F403
 from .optim import *  # noqa: F403
+from .parallel import *  # noqa: F403
 from .positional import *  # noqa: F403
 from .sublayers import *  # noqa: F403
 from .swin import *  # noqa: F403
