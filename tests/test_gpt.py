@@ -369,3 +369,36 @@ def test_bad_calls(lib, case):
     model, conv = (np_gpt(), np.asarray) if lib is tn else (tt.GPT(**TINY), T)
     with pytest.raises(exc, match=match):
         call(model, conv)
+
+
+# -- training and evaluation ------------------------------------------------------------------------------------------
+
+
+def test_twin_training_float64_losses_equal_step_by_step():
+    """Adam in both tracks from the same weights on the same batches: the same losses, step after step."""
+    model = np_gpt("rmsnorm", "rope", "swiglu", 2)
+    t = twin(model)
+    opt_a, opt_b = tn.make_adam(model), tt.make_adam(t)
+    loss_a, loss_b = tn.CrossEntropyLoss(), tt.CrossEntropyLoss()
+    rng = np.random.default_rng(0)
+    diffs = []
+    for _ in range(5):
+        x = rng.integers(0, V, (3, 6))
+        y = rng.integers(0, V, (3, 6))
+        ra = tn.lm_train_step(model, x, y, opt_a, loss_a, lr=1e-2, clip_norm=1.0)
+        rb = tt.lm_train_step(t, x, y, opt_b, loss_b, lr=1e-2, clip_norm=1.0)
+        diffs += [abs(ra.loss - rb.loss), abs(ra.grad_norm - rb.grad_norm)]
+    assert max(diffs) < 1e-12
+    assert max(max_abs_diff(v, t.state_dict()[k]) for k, v in model.state_dict().items()) < 1e-12
+
+
+@pytest.mark.parametrize("lib", [tn, tt], ids=["numpy", "torch"])
+def test_lm_eval_loss_is_the_mean_cross_entropy_of_consecutive_windows(lib):
+    model = np_gpt().eval()
+    m = model if lib is tn else twin(model)
+    ids = np.random.default_rng(4).integers(0, V, 23)  # 22 targets: 7 windows of 3 (the last target left out)
+    loss, y = lib.lm_eval_loss(m, ids, 3, batch_size=2)
+    assert y.shape == (7, 3) and np.array_equal(y.reshape(-1), ids[1:22])
+    logits = model(ids[:21].reshape(7, 3))
+    expected = float(tn.CrossEntropyLoss()(logits, ids[1:22].reshape(7, 3)))
+    assert abs(loss - expected) < 1e-12

@@ -6,21 +6,26 @@ from __future__ import annotations
 import math
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 from torch import nn
 
 from tfm_common.gpt_config import as_numpy_rng, check_gpt_config, check_sampling, sample_next
+from tfm_common.training import StepResult
 from tfm_common.validate import check_size
 
 from .attention import causal_mask
+from .functional import log_softmax
 from .layers import Dropout, Embedding, LayerNorm, Linear
 from .modern import GroupedQueryAttention, RMSNorm, RotaryEmbedding, SwiGLUFeedForward, swiglu_hidden_size
 from .module import as_generator, check_dtype, check_indices
+from .optim import clip_grad_norm, set_lr
 from .positional import LearnedPositionalEmbedding, PositionalEncoding
 from .sublayers import PositionwiseFeedForward
+from .train import grad_norm
 from .transformer import xavier_uniform_
 
-__all__ = ["GPTBlock", "GPT"]
+__all__ = ["GPTBlock", "GPT", "lm_train_step", "lm_eval_loss"]
 
 
 def make_norm(norm: str, d_model: int, dtype) -> nn.Module:
@@ -199,3 +204,34 @@ def _eval_mode(model):
         yield model
     finally:
         model.train(was_training)
+
+
+def lm_train_step(model: GPT, x, y, optimizer: torch.optim.Optimizer, loss_fn, lr: float, clip_norm=None):
+    """One update on windows x (B, T) and next tokens y (B, T) (NumPy arrays or tensors), as tfm_numpy's.
+    Returns (loss before the update, gradient norm before clipping)."""
+    device = next(model.parameters()).device
+    x, y = (torch.as_tensor(a).to(device) for a in (x, y))
+    model.zero_grad(set_to_none=True)
+    loss = loss_fn(model(x), y)
+    loss.backward()
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    norm = grad_norm(params) if clip_norm is None else clip_grad_norm(params, clip_norm)
+    set_lr(optimizer, lr)
+    optimizer.step()
+    return StepResult(loss.item(), norm)
+
+
+@torch.no_grad()
+def lm_eval_loss(model: GPT, ids, block_size: int, batch_size: int = 32) -> tuple[float, np.ndarray]:
+    """Mean next-token loss (nats) over consecutive windows of a token array, as tfm_numpy's; returns (loss, the
+    targets scored (n_windows, block_size) as a NumPy array)."""
+    ids = np.asarray(ids, dtype=np.int64)
+    n = (len(ids) - 1) // check_size("lm_eval_loss", "block_size", block_size)
+    x, y = ids[: n * block_size].reshape(n, block_size), ids[1 : n * block_size + 1].reshape(n, block_size)
+    device, total = next(model.parameters()).device, 0.0
+    with _eval_mode(model):
+        for i in range(0, n, check_size("lm_eval_loss", "batch_size", batch_size)):
+            xb, yb = (torch.from_numpy(a[i : i + batch_size]).to(device) for a in (x, y))
+            logp = log_softmax(model(xb))  # (b, T, V)
+            total -= logp.gather(-1, yb[..., None]).double().sum().item()
+    return total / y.size, y
