@@ -159,11 +159,14 @@ def sample_batch(ids, batch_size: int, block_size: int, rng: np.random.Generator
     return ids[index].astype(np.int64), ids[index + 1].astype(np.int64)
 
 
-def lm_batches(ids, batch_size: int, block_size: int, rng: np.random.Generator, n_batches: int):
-    """`n_batches` calls of `sample_batch`, as an iterator of (x, y)."""
-    n_batches = check_size("lm_batches", "n_batches", n_batches)
-    for _ in range(n_batches):
+def lm_batches(ids, batch_size: int, block_size: int, rng: np.random.Generator, n_batches: int | None = None):
+    """An iterator of (x, y) from `sample_batch`: `n_batches` of them, or without end when it is None."""
+    if n_batches is not None:
+        n_batches = check_size("lm_batches", "n_batches", n_batches)
+    k = 0
+    while n_batches is None or k < n_batches:
         yield sample_batch(ids, batch_size, block_size, rng)
+        k += 1
 
 
 def split_ids(ids, val_fraction: float = 0.1) -> tuple[np.ndarray, np.ndarray]:
