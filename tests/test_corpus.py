@@ -89,6 +89,10 @@ def test_batches_reach_both_ends():
     assert {tuple(r) for r in xs} == {(0, 1, 2, 3)}  # only one window fits, and it is found
     seen = np.concatenate([y for _, y in lm_batches(np.arange(20), 4, 3, np.random.default_rng(1), 50)])
     assert seen.min() == 1 and seen.max() == 19
+    endless = lm_batches(np.arange(20), 2, 3, np.random.default_rng(1))
+    assert len([next(endless) for _ in range(100)]) == 100
+    with pytest.raises(ValueError, match="n_batches must be an int >= 1"):
+        next(lm_batches(np.arange(20), 2, 3, np.random.default_rng(1), 0))
 
 
 def test_batches_refuse_bad_input():

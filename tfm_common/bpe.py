@@ -1,17 +1,18 @@
 """A byte-level byte-pair encoding (BPE) tokenizer, trained here, in pure Python (no NumPy needed).
 
-Byte-pair encoding {cite}`sennrich2016bpe` starts from an alphabet and repeatedly adds the most frequent pair of
-adjacent symbols as a new symbol. Byte level {cite}`radford2019gpt2`: the alphabet is the 256 byte values, so any
-byte string, valid UTF-8 or not, can be encoded, and nothing is ever "unknown".
+Byte-pair encoding (Sennrich et al., 2016, after Gage, 1994) starts from an alphabet and repeatedly adds the most
+frequent pair of adjacent symbols as a new symbol. Byte level (GPT-2, Radford et al., 2019): the alphabet is the
+256 byte values, so any byte string, valid UTF-8 or not, can be encoded, and nothing is ever "unknown".
 
 - Ids 0..255 are the bytes themselves; merge k (0-based) creates id 256 + k, whose bytes are the bytes of its two
   parts. `vocab_size = 256 + len(merges)`.
 - Pretokenization. The text is first cut into chunks by a regular expression (identifiers with a leading space,
-  numbers, runs of punctuation, runs of whitespace), and merges never cross a chunk boundary. Why: without it the
-  most frequent pairs glue the end of one word to the start of the next ("e" + " " + "s"...), so the vocabulary
-  fills up with fragments such as "e s" that mean nothing and come in many near-copies ("dog.", "dog!", "dog?").
-  It also makes training and encoding fast: the text is a few hundred thousand chunks but only tens of thousands
-  of *distinct* chunks, and both training and encoding work on the distinct ones.
+  numbers, runs of punctuation, runs of whitespace), and merges never cross a chunk boundary. Why: without it
+  frequent pairs across a boundary become tokens ("e ", ", ", "self."), so a word's tokens depend on what follows
+  it and the vocabulary spends entries on combinations of a word's end and the next symbol. It also makes
+  training and encoding fast: the text is hundreds of thousands of chunks but only tens of thousands of
+  *distinct* chunks, and both training and encoding work on the distinct ones. (Chapter 17a measures the cost:
+  a little less compression at the same vocabulary size.)
 - Training counts distinct chunks once, then keeps a table of pair counts over them (each chunk weighted by how
   often it occurs) and, for each pair, the chunks it occurs in. A merge rewrites only those chunks and updates the
   counts of the pairs they lose and gain. The next pair comes off a heap.

@@ -2,8 +2,8 @@
 
 Nothing is downloaded. The files are read at run time from the running interpreter's standard library directory
 (`sysconfig.get_paths()["stdlib"]`). The list is FIXED, not "every file there": the standard library differs
-between Python versions (modules come and go, files become packages), and a fixed list of modules that exist in
-every Python since 3.9 keeps the corpus the same wherever the same interpreter version runs.
+between Python versions (modules come and go, files become packages), and a fixed list of long-standing modules
+keeps the corpus the same wherever the same interpreter version runs.
 
 - `TRAIN_FILES` (48 mid-size modules, about 2.6 MB under 3.11) and `VAL_FILES` (12 other modules, about 190 KB):
   held-out *files*, not a held-out tail of one file, so validation text is code the model never saw.
@@ -31,8 +31,8 @@ from tfm_common.validate import check_choice, check_flag, check_size
 __all__ = ["TRAIN_FILES", "VAL_FILES", "EXPECTED_SHA256", "Corpus", "stdlib_dir", "stdlib_corpus", "sample_batch",
            "lm_batches", "split_ids"]  # fmt: skip
 
-# Paths relative to the standard library directory, sorted. Chosen to exist in Python 3.9 to 3.14 (no module
-# removed by PEP 594, none that became a package such as zipfile or pathlib), mid-size, and pure Python.
+# Paths relative to the standard library directory, sorted: mid-size, pure-Python modules that have long been part
+# of the library (none of those PEP 594 removed, none that became a package such as zipfile or pathlib).
 TRAIN_FILES = tuple(sorted("""
     argparse.py ast.py asyncio/tasks.py calendar.py codecs.py collections/__init__.py configparser.py contextlib.py
     dataclasses.py datetime.py difflib.py doctest.py email/message.py enum.py fractions.py functools.py gettext.py
@@ -159,11 +159,14 @@ def sample_batch(ids, batch_size: int, block_size: int, rng: np.random.Generator
     return ids[index].astype(np.int64), ids[index + 1].astype(np.int64)
 
 
-def lm_batches(ids, batch_size: int, block_size: int, rng: np.random.Generator, n_batches: int):
-    """`n_batches` calls of `sample_batch`, as an iterator of (x, y)."""
-    n_batches = check_size("lm_batches", "n_batches", n_batches)
-    for _ in range(n_batches):
+def lm_batches(ids, batch_size: int, block_size: int, rng: np.random.Generator, n_batches: int | None = None):
+    """An iterator of (x, y) from `sample_batch`: `n_batches` of them, or without end when it is None."""
+    if n_batches is not None:
+        n_batches = check_size("lm_batches", "n_batches", n_batches)
+    k = 0
+    while n_batches is None or k < n_batches:
         yield sample_batch(ids, batch_size, block_size, rng)
+        k += 1
 
 
 def split_ids(ids, val_fraction: float = 0.1) -> tuple[np.ndarray, np.ndarray]:
