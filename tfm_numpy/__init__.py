@@ -6,9 +6,11 @@ from .decoding import *  # noqa: F403
 from .encoder_decoder import *  # noqa: F403
 from .flash import *  # noqa: F403
 from .functional import *  # noqa: F403
+from .gpt import *  # noqa: F403
 from .gradcheck import *  # noqa: F403
 from .layers import *  # noqa: F403
 from .loss import *  # noqa: F403
+from .modern import *  # noqa: F403
 from .module import Module as Module
 from .module import ModuleList as ModuleList
 from .module import Parameter as Parameter

@@ -6,9 +6,11 @@ from .decoding import *  # noqa: F403
 from .encoder_decoder import *  # noqa: F403
 from .flash import *  # noqa: F403
 from .functional import *  # noqa: F403
+from .gpt import *  # noqa: F403
 from .gradcheck import *  # noqa: F403
 from .layers import *  # noqa: F403
 from .loss import *  # noqa: F403
+from .modern import *  # noqa: F403
 from .optim import *  # noqa: F403
 from .parallel import *  # noqa: F403
 from .positional import *  # noqa: F403

@@ -1,0 +1,196 @@
+"""tfm_common.bpe: a byte-level BPE that round-trips every byte string and learns the same merges every time."""
+
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tfm_common.bpe import DEFAULT_PATTERN, ByteBPE, merge_pair, pretokenize
+from tfm_common.corpus import stdlib_corpus
+
+ROOT = Path(__file__).resolve().parents[1]
+A, B, C, D = b"abcd"  # 97, 98, 99, 100
+
+
+@pytest.fixture(scope="module")
+def val_text() -> bytes:
+    return stdlib_corpus("val").data
+
+
+@pytest.fixture(scope="module")
+def bpe(val_text) -> ByteBPE:
+    return ByteBPE.train(val_text[:60_000], 400)
+
+
+def naive_bpe(data: bytes, n_merges: int, pattern=DEFAULT_PATTERN, min_count=2):
+    """The textbook algorithm, written independently: re-count every pair of every chunk before each merge."""
+    words = [list(c) for c in pretokenize(data, pattern)]
+    merges = []
+    for k in range(n_merges):
+        counts = Counter(p for w in words for p in zip(w, w[1:], strict=False))
+        if not counts:
+            break
+        best = min(counts, key=lambda p: (-counts[p], p))  # highest count, then the smallest pair
+        if counts[best] < min_count:
+            break
+        merges.append(best)
+        words = [merge_pair(w, best, 256 + k) for w in words]
+    return merges, words
+
+
+def test_hand_worked_example():
+    # "aaabdaaabac", one chunk. Pairs: aa 4, ab 2, bd da ba ac 1. Merge aa -> 256; "aaa" becomes [256, a]:
+    # 256 a b d 256 a b a c. Now (256, a) and (a, b) both occur twice: the smaller pair (97, 98) wins -> 257:
+    # 256 257 d 256 257 a c. Then (256, 257) occurs twice -> 258 ("aaab"): 258 d 258 a c. Every pair is now
+    # unique, so min_count=2 stops here; min_count=1 goes on with the smallest pair, (a, c) -> 259.
+    bpe = ByteBPE.train("aaabdaaabac", 300, pretokenize=False)
+    assert bpe.merges == [(A, A), (A, B), (256, 257)] and bpe.merge_counts == [4, 2, 2]
+    assert bpe.vocab_size == 259 and bpe.token_bytes(258) == b"aaab"
+    assert bpe.encode("aaabdaaabac") == [258, D, 258, A, C]
+    assert ByteBPE.train("aaabdaaabac", 260, pretokenize=False, min_count=1).merges[3] == (A, C)
+
+
+def test_merges_do_not_cross_chunks():
+    # "ab.ab." is the chunks ab . ab . : only (a, b) repeats. As one chunk, (ab, .) repeats too and is merged.
+    assert ByteBPE.train("ab.ab.", 300).merges == [(A, B)]
+    assert ByteBPE.train("ab.ab.", 300, pretokenize=False).merges == [(A, B), (256, ord("."))]
+
+
+def test_default_pattern_on_a_line_of_code():
+    chunks = pretokenize(b"    return self.x + 42\n")
+    assert chunks == [b"   ", b" return", b" self", b".", b"x", b" +", b" 42", b"\n"]
+
+
+@pytest.mark.parametrize(
+    "pattern", [DEFAULT_PATTERN, rb"[a-z]+", rb"x*", None], ids=["default", "gaps", "empty", "none"]
+)
+def test_pretokenize_loses_no_byte(pattern):
+    data = bytes(np.random.default_rng(0).integers(0, 256, 3000, dtype=np.uint8)) + b"abc  def\n\n x"
+    chunks = pretokenize(data, pattern)
+    assert b"".join(chunks) == data and all(chunks)
+
+
+def test_incremental_training_equals_the_naive_algorithm(val_text):
+    data = val_text[:20_000]
+    bpe = ByteBPE.train(data, 256 + 150)
+    merges, words = naive_bpe(data, 150)
+    assert bpe.merges == merges
+    assert bpe.encode(data) == [i for w in words for i in w]  # encoding reproduces training's segmentation
+
+
+def test_incremental_training_equals_the_naive_algorithm_with_many_ties():
+    # Three symbols, one long chunk: runs such as "aaaa" (overlapping pairs) and many equal counts.
+    data = bytes(np.random.default_rng(3).choice(np.frombuffer(b"ab ", np.uint8), 3000))
+    bpe = ByteBPE.train(data, 256 + 80, pretokenize=False, min_count=1)
+    merges, words = naive_bpe(data, 80, pattern=None, min_count=1)
+    assert bpe.merges == merges and len(merges) == 80
+    assert bpe.encode(data) == [i for w in words for i in w]  # encoding reproduces training's segmentation
+
+
+def test_training_is_deterministic_across_processes():
+    code = (
+        "from tfm_common.bpe import ByteBPE; from tfm_common.corpus import stdlib_corpus; "
+        "print(ByteBPE.train(stdlib_corpus('val', max_bytes=30000).data, 400).merges)"
+    )
+    outs = [
+        subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={"PYTHONHASHSEED": seed},
+            cwd=ROOT,
+        ).stdout
+        for seed in ("1", "2")
+    ]
+    assert outs[0] == outs[1] and outs[0].count("(") == 144
+
+
+def test_roundtrip_on_arbitrary_bytes(bpe):
+    rng = np.random.default_rng(0)
+    cases = [b"", bytes(range(256)), bytes(range(255, -1, -1)), b"\xff\xfe\x80\xc3", "caf\u00e9 \u2014 \U0001f600"]
+    cases += [bytes(rng.integers(0, 256, n, dtype=np.uint8)) for n in (1, 2, 17, 1000, 5000)]
+    cases += [bytes(rng.choice(np.frombuffer(b" \n\tdef self(x):", np.uint8), 2000)) for _ in range(3)]
+    for data in cases:
+        raw = data.encode() if isinstance(data, str) else data
+        ids = bpe.encode(data)
+        assert all(isinstance(i, int) and 0 <= i < bpe.vocab_size for i in ids)
+        assert bpe.decode_bytes(ids) == raw
+        assert bpe.decode(ids) == raw.decode("utf-8", errors="replace")
+    assert bpe.encode("") == [] and bpe.decode([]) == ""
+
+
+def test_roundtrip_on_held_out_text_and_compression(bpe):
+    text = stdlib_corpus("train", max_bytes=100_000).text
+    ids = bpe.encode(text)
+    assert bpe.decode(ids) == text and bpe.decode_bytes(np.array(ids)) == text.encode()
+    assert len(text.encode()) / len(ids) > 1.5  # about 2.0 bytes per token at 144 merges
+
+
+def test_decode_replaces_a_cut_character():
+    bpe = ByteBPE()
+    ids = bpe.encode("\u00e9")  # two bytes, no merges: two tokens
+    assert ids == [0xC3, 0xA9] and bpe.decode(ids[:1]) == "\ufffd"
+
+
+def test_token_bytes_are_the_parts_joined(bpe):
+    for k, (a, b) in enumerate(bpe.merges):
+        assert bpe.token_bytes(256 + k) == bpe.token_bytes(a) + bpe.token_bytes(b)
+    assert [bpe.token_bytes(i) for i in (0, 65, 255)] == [b"\x00", b"A", b"\xff"]
+
+
+def test_save_and_load(bpe, tmp_path):
+    path = tmp_path / "bpe.json"
+    bpe.save(path)
+    again = ByteBPE.load(path)
+    assert again == bpe and again.merge_counts == bpe.merge_counts
+    text = "def f(x):\n    return x\n"
+    assert again.encode(text) == bpe.encode(text)
+    ByteBPE([], pattern=None).save(path)
+    assert ByteBPE.load(path).pattern is None
+    path.write_text(json.dumps({"format": "something else"}))
+    with pytest.raises(ValueError, match="not a saved ByteBPE"):
+        ByteBPE.load(path)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"vocab_size": 255}, ValueError, "vocab_size must be an int >= 256, got 255"),
+        ({"vocab_size": 300.0}, TypeError, "vocab_size expected an int"),
+        ({"vocab_size": True}, TypeError, "vocab_size expected an int"),
+        ({"data": 12}, TypeError, "data expected str or bytes, got int"),
+        ({"min_count": 0}, ValueError, "min_count must be an int >= 1"),
+        ({"pretokenize": 1}, TypeError, "pretokenize expected True, False or a pattern"),
+    ],
+)
+def test_train_refuses_bad_arguments(kwargs, error, match):
+    args = {"data": "abc", "vocab_size": 300} | kwargs
+    with pytest.raises(error, match=match):
+        ByteBPE.train(args.pop("data"), args.pop("vocab_size"), **args)
+
+
+def test_decode_and_encode_refuse_bad_input(bpe):
+    with pytest.raises(ValueError, match=f"unknown token id {bpe.vocab_size}: ids are 0..{bpe.vocab_size - 1}"):
+        bpe.decode([1, bpe.vocab_size])
+    with pytest.raises(ValueError, match="unknown token id -1"):
+        bpe.decode_bytes([-1])
+    with pytest.raises(TypeError, match="token id must be an int, got float"):
+        bpe.decode([1.0])
+    with pytest.raises(TypeError, match="ids expected a sequence of ints, got str"):
+        bpe.decode("abc")
+    with pytest.raises(TypeError, match="text expected str or bytes, got list"):
+        bpe.encode([1, 2])
+    with pytest.raises(ValueError, match="unknown token id 999"):
+        bpe.token_bytes(999)
+
+
+def test_constructor_refuses_merges_of_unknown_ids():
+    with pytest.raises(ValueError, match="merge 1 must be a pair of ids below 257"):
+        ByteBPE([(1, 2), (257, 3)])
+    with pytest.raises(TypeError, match="pattern expected bytes, str or None"):
+        ByteBPE([], pattern=3)

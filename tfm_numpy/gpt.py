@@ -1,0 +1,295 @@
+"""Decoder-only, NumPy track: the GPT block, the GPT (forward and hand-written backward) and sampling with a
+key/value cache.
+
+Shapes: tokens `(B, T)` ids, activations `(B, T, d_model)`, logits `(B, T, vocab_size)`. The model predicts token
+t + 1 from tokens 0 .. t: a causal mask (1, 1, T, T), no padding (training windows all have the same length).
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+
+import numpy as np
+
+from tfm_common.gpt_config import as_numpy_rng, check_gpt_config, check_sampling, sample_next
+from tfm_common.training import StepResult
+from tfm_common.validate import check_size
+
+from .attention import causal_mask
+from .functional import log_softmax
+from .layers import Dropout, Embedding, LayerNorm, Linear
+from .loss import CrossEntropyLoss
+from .modern import GroupedQueryAttention, RMSNorm, RotaryEmbedding, SwiGLUFeedForward, swiglu_hidden_size
+from .module import Module, ModuleList, as_rng, check_dtype, check_grad, check_indices
+from .optim import Adam, clip_grad_norm, set_lr
+from .positional import LearnedPositionalEmbedding, PositionalEncoding
+from .sublayers import PositionwiseFeedForward
+from .train import grad_norm
+from .transformer import xavier_uniform_
+
+__all__ = ["GPTBlock", "GPT", "lm_train_step", "lm_eval_loss"]
+
+
+def make_norm(norm: str, d_model: int, dtype) -> Module:
+    return LayerNorm(d_model, dtype=dtype) if norm == "layernorm" else RMSNorm(d_model, dtype=dtype)
+
+
+class GPTBlock(Module):
+    """A Pre-LN decoder block without cross-attention:
+
+        x = x + dropout1(self_attn(norm1(x), causal mask))
+        x = x + dropout2(ff(norm2(x)))
+
+    With norm="layernorm", n_kv_heads=None, no rotary and activation "relu"/"gelu", this is chapter 8's
+    EncoderLayer(norm_first=True) given a causal mask: the same submodule names, the same state_dict keys, the same
+    function (a test loads one into the other). The options swap the parts: RMSNorm for LayerNorm, grouped-query
+    for multi-head attention, rotary positions inside the attention, a SwiGLU feed-forward of width
+    swiglu_hidden_size(d_ff) (the parameters of a d_ff-wide two-matrix one).
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        d_ff: int,
+        dropout: float = 0.0,
+        *,
+        norm: str = "layernorm",
+        activation: str = "gelu",
+        n_kv_heads: int | None = None,
+        rotary: RotaryEmbedding | None = None,
+        rng=None,
+        dtype=np.float32,
+    ):
+        super().__init__()
+        dt, g = check_dtype(dtype), as_rng(rng)
+        self.self_attn = GroupedQueryAttention(d_model, n_heads, n_kv_heads, dropout, rotary=rotary, rng=g, dtype=dt)
+        if activation == "swiglu":
+            self.ff = SwiGLUFeedForward(d_model, swiglu_hidden_size(d_ff), dropout, rng=g, dtype=dt)
+        else:
+            self.ff = PositionwiseFeedForward(d_model, d_ff, dropout, activation, rng=g, dtype=dt)
+        self.norm1 = make_norm(norm, d_model, dt)
+        self.norm2 = make_norm(norm, d_model, dt)
+        self.dropout1 = Dropout(dropout, rng=g)  # on each sublayer's output, before the residual sum
+        self.dropout2 = Dropout(dropout, rng=g)
+
+    def forward(self, x: np.ndarray, mask: np.ndarray | None = None, offset: int = 0) -> np.ndarray:
+        x = x + self.dropout1(self.self_attn(self.norm1(x), mask, offset))
+        return x + self.dropout2(self.ff(self.norm2(x)))  # (B, T, d)
+
+    def backward(self, grad_out: np.ndarray) -> np.ndarray:
+        # each residual x + f(norm(x)) passes its gradient on unchanged AND through f and the norm
+        dx = grad_out + self.norm2.backward(self.ff.backward(self.dropout2.backward(grad_out)))
+        return dx + self.norm1.backward(self.self_attn.backward(self.dropout1.backward(dx)))
+
+    def forward_step(self, x: np.ndarray, cache: dict, mask: np.ndarray | None = None) -> np.ndarray:
+        """`forward` for new positions only, the earlier ones' keys and values in `cache` (inference only)."""
+        x = x + self.dropout1(self.self_attn.forward_step(self.norm1(x), cache, mask))
+        return x + self.dropout2(self.ff(self.norm2(x)))
+
+
+class GPT(Module):
+    """A decoder-only Transformer (Radford et al., 2018, 2019): token embedding (+ positions), n_layers GPTBlocks
+    under a causal mask, a final norm, and an output projection (tied to the embedding by default).
+
+    `model(tokens)` (B, T) -> logits (B, T, vocab_size), where logits[:, t] predict tokens[:, t + 1];
+    `model.backward(dlogits)` fills every parameter's gradient. Options:
+      norm        "layernorm" (GPT-2) or "rmsnorm" (Llama): in every block and at the end
+      positional  "learned" (GPT-2), "sinusoidal" (the 2017 table) or "rope" (rotary, inside the attention)
+      activation  "gelu" (GPT-2; the exact form), "relu", or "swiglu" (Llama; width swiglu_hidden_size(d_ff))
+      n_kv_heads  key/value heads for grouped-query attention (None: n_heads; 1: multi-query)
+      tie_output  the output projection's weight IS the token embedding (GPT-2 does this)
+    Every option combination has one set of state_dict keys, in both tracks.
+
+    Initialization (with `rng`), as chapter 10's Transformer: token embeddings N(0, 1/d_model), multiplied by
+    sqrt(d_model) in the forward (unit variance, the scale of the positions added to them); every matrix of the
+    blocks and an untied output projection Xavier-uniform; biases as their Linear; norms at weight 1 (bias 0).
+    Both tracks draw the same *kind* of weights, not the same numbers: load one's state_dict into the other.
+
+    `forward_step(tokens, cache)` runs new tokens only, reading earlier keys and values from `cache`;
+    `generate(...)` samples with it.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        d_model: int,
+        n_heads: int,
+        d_ff: int,
+        n_layers: int,
+        max_len: int,
+        dropout: float = 0.0,
+        *,
+        norm: str = "layernorm",
+        positional: str = "learned",
+        activation: str = "gelu",
+        n_kv_heads: int | None = None,
+        tie_output: bool = True,
+        rng=None,
+        dtype=np.float32,
+    ):
+        super().__init__()
+        self.config = c = check_gpt_config("GPT", {k: v for k, v in locals().items() if k in _ARGS})
+        self.vocab_size, self.d_model, self.max_len = c["vocab_size"], c["d_model"], c["max_len"]
+        dt, g = check_dtype(dtype), as_rng(rng)
+        self.embed = Embedding(self.vocab_size, self.d_model, rng=g, dtype=dt)
+        self.embed.weight.data *= dt.type(self.d_model**-0.5)  # N(0, 1) -> N(0, 1/d_model)
+        if positional == "learned":
+            self.pos = LearnedPositionalEmbedding(self.max_len, self.d_model, rng=g, dtype=dt)
+        elif positional == "sinusoidal":
+            self.pos = PositionalEncoding(self.d_model, self.max_len, dtype=dt)
+        else:
+            self.pos = None  # rope: the positions live in the attention
+        self.dropout = Dropout(c["dropout"], rng=g)
+        rotary = RotaryEmbedding(d_model // n_heads, self.max_len, dtype=dt) if positional == "rope" else None
+        block = dict(norm=norm, activation=activation, n_kv_heads=c["n_kv_heads"], rotary=rotary, rng=g, dtype=dt)
+        self.layers = ModuleList(GPTBlock(d_model, n_heads, d_ff, c["dropout"], **block) for _ in range(n_layers))
+        self.norm = make_norm(norm, d_model, dt)
+        self.output_projection = Linear(d_model, self.vocab_size, bias=False, rng=g, dtype=dt)  # (V, d)
+        if c["tie_output"]:
+            self.output_projection.weight = self.embed.weight  # one Parameter: logits = h @ E^T
+        else:
+            xavier_uniform_(self.output_projection.weight, g)
+        for _, p in self.layers.named_parameters():
+            if p.data.ndim == 2:
+                xavier_uniform_(p, g)
+
+    # -- forward and backward --------------------------------------------------------------------------------------
+    def forward(self, tokens: np.ndarray) -> np.ndarray:
+        T = self._check_tokens("tokens", tokens, 0)
+        x = self._embed(tokens, 0)  # (B, T, d)
+        mask = causal_mask(T)  # (1, 1, T, T)
+        for layer in self.layers:
+            x = layer(x, mask)
+        logits = self.output_projection(self.norm(x))  # (B, T, V)
+        self._cache = (logits.shape, logits.dtype)
+        return logits
+
+    def backward(self, grad_logits: np.ndarray) -> None:
+        """After `forward`: add dL/dparam into every parameter's grad (a tied weight gets both uses)."""
+        check_grad("GPT", grad_logits, *self._saved())
+        dx = self.norm.backward(self.output_projection.backward(grad_logits))  # (B, T, d)
+        for layer in reversed(list(self.layers)):
+            dx = layer.backward(dx)
+        dx = self.dropout.backward(dx)
+        if self.pos is not None:
+            dx = self.pos.backward(dx)
+        self.embed.backward(dx * math.sqrt(self.d_model))
+
+    def _embed(self, tokens: np.ndarray, offset: int) -> np.ndarray:
+        x = self.embed(tokens) * math.sqrt(self.d_model)  # (B, T, d); the python float keeps float32 float32
+        if self.pos is not None:
+            x = self.pos(x, offset)
+        return self.dropout(x)
+
+    # -- incremental decoding --------------------------------------------------------------------------------------
+    def forward_step(self, tokens: np.ndarray, cache: dict) -> np.ndarray:
+        """The logits (B, Tn, V) of new tokens (B, Tn) given the `cache` of every earlier call (a dict, empty at the
+        first; filled here): equal to `forward(all tokens so far)[:, -Tn:]` at the cost of the new ones only.
+        cache["length"] counts the positions so far; cache["layers"][i] holds layer i's keys and values
+        (B, n_kv_heads, length, d_head). Inference only: a backward after this is an error."""
+        t0 = cache.get("length", 0)
+        Tn = self._check_tokens("tokens", tokens, t0)
+        mask = np.tri(Tn, t0 + Tn, t0, dtype=bool)[None, None]  # (1, 1, Tn, t0 + Tn): new i sees 0 .. t0 + i
+        x = self._embed(tokens, t0)
+        layers = cache.setdefault("layers", [{} for _ in self.layers])
+        for layer, layer_cache in zip(self.layers, layers, strict=True):
+            x = layer.forward_step(x, layer_cache, mask)
+        cache["length"] = t0 + Tn
+        self._cache = None
+        return self.output_projection(self.norm(x))
+
+    def generate(self, tokens, max_new_tokens: int, temperature: float = 1.0, top_k=None, rng=None, use_cache=True):
+        """The prompt `tokens` (B, T0) followed by max_new_tokens sampled tokens: (B, T0 + max_new_tokens).
+
+        Each new token is drawn from softmax(logits / temperature) over the top_k most probable tokens (all if
+        None); temperature=0 is greedy (argmax). `rng` (a numpy Generator or int seed; None: seed 0) draws one
+        uniform per row and step, in both tracks (tfm_common.gpt_config.sample_next), so the two tracks sample
+        the same tokens from the same weights and seed. use_cache=False re-runs the whole sequence at every step
+        (the same tokens, slower). Eval mode (no dropout) for the call; the caller's mode is restored.
+        """
+        T0 = self._check_tokens("tokens", tokens, 0)
+        n = check_size("GPT.generate", "max_new_tokens", max_new_tokens, minimum=0)
+        temperature, top_k = check_sampling("GPT.generate", temperature, top_k, self.vocab_size)
+        if T0 + n - 1 > self.max_len:
+            raise ValueError(f"GPT.generate: a prompt of {T0} tokens and max_new_tokens={n} need {T0 + n - 1} "
+                             f"positions, more than max_len={self.max_len}")  # fmt: skip
+        gen = as_numpy_rng("GPT.generate", rng)
+        out = tokens.astype(np.int64)
+        with _eval_mode(self):
+            cache = {} if use_cache else None
+            for i in range(n):
+                if cache is None:
+                    logits = self.forward(out)[:, -1]  # (B, V): the whole sequence again
+                else:
+                    logits = self.forward_step(out if i == 0 else out[:, -1:], cache)[:, -1]  # the new token only
+                nxt = sample_next(logits, temperature, top_k, gen)  # (B,)
+                out = np.concatenate([out, nxt[:, None]], axis=1)
+        self._cache = None
+        return out
+
+    # -- checks ----------------------------------------------------------------------------------------------------
+    def _check_tokens(self, arg: str, tokens, offset: int) -> int:
+        check_indices(f"GPT: {arg}", tokens, self.vocab_size)
+        if tokens.ndim != 2 or tokens.shape[1] < 1:
+            raise ValueError(f"GPT: {arg} expected shape (B, T) with T >= 1, got {tokens.shape}")
+        T = tokens.shape[1]
+        if offset + T > self.max_len:
+            start = f" after {offset} cached positions" if offset else ""
+            raise ValueError(f"GPT: {arg} has length {T}{start}, more than max_len={self.max_len}")
+        return T
+
+    def attention_weights(self) -> list[np.ndarray]:
+        """[(B, H, T, T) per layer]: the last forward's self-attention weights."""
+        return [layer.self_attn.attn_weights for layer in self.layers]
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return ", ".join(f"{k}={c[k]!r}" for k in ("norm", "positional", "activation", "n_kv_heads", "tie_output"))
+
+
+_ARGS = ("vocab_size", "d_model", "n_heads", "d_ff", "n_layers", "max_len", "dropout", "norm", "positional",
+         "activation", "n_kv_heads", "tie_output")  # fmt: skip
+
+
+@contextmanager
+def _eval_mode(model):
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
+
+
+# -- training and evaluation of a language model ------------------------------------------------------------------
+
+
+def lm_train_step(model: GPT, x, y, optimizer: Adam, loss_fn: CrossEntropyLoss, lr: float, clip_norm=None):
+    """One update on a batch of windows x (B, T) and their next tokens y (B, T): the causal LM loss, mean over all
+    B T positions, -1/(BT) sum log p(y[b, t] | x[b, :t + 1]). Returns (loss before the update, gradient norm
+    before clipping), as `train_step` does for the encoder-decoder."""
+    model.zero_grad()
+    loss = loss_fn(model(x), y)
+    model.backward(loss_fn.backward())  # dL/dlogits (B, T, V) -> every parameter's .grad
+    norm = grad_norm(optimizer.params) if clip_norm is None else clip_grad_norm(optimizer.params, clip_norm)
+    set_lr(optimizer, lr)
+    optimizer.step()
+    return StepResult(float(loss), norm)
+
+
+def lm_eval_loss(model: GPT, ids, block_size: int, batch_size: int = 32) -> tuple[float, np.ndarray]:
+    """The mean next-token loss (nats) over a token array cut into consecutive windows of block_size tokens (each
+    window starts a fresh context; the tail that does not fill a window is left out), in eval mode.
+    Returns (mean loss, the targets scored (n_windows, block_size)): with their byte count, bits per byte."""
+    ids = np.asarray(ids, dtype=np.int64)
+    n = (len(ids) - 1) // check_size("lm_eval_loss", "block_size", block_size)
+    x, y = ids[: n * block_size].reshape(n, block_size), ids[1 : n * block_size + 1].reshape(n, block_size)
+    total = 0.0
+    with _eval_mode(model):
+        for i in range(0, n, check_size("lm_eval_loss", "batch_size", batch_size)):
+            logp = log_softmax(model(x[i : i + batch_size]))  # (b, T, V)
+            total -= float(np.take_along_axis(logp, y[i : i + batch_size, :, None], axis=-1).sum(dtype=np.float64))
+    model._cache = None
+    return total / y.size, y

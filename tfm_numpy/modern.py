@@ -1,0 +1,334 @@
+"""Since 2017, NumPy track: RMSNorm, rotary position embedding (RoPE), the SwiGLU feed-forward and grouped-query
+attention, each with its forward and hand-written backward.
+
+Shapes: `(B, T, d_model)` activations; per head `(B, H, T, d_head)`. Masks are boolean, True = may attend, as in
+`attention`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tfm_common.validate import check_real, check_size, check_sizes
+
+from .attention import attention_weights, attention_weights_backward
+from .layers import Dropout, Linear
+from .module import Module, Parameter, as_rng, check_dtype, check_grad, check_input
+
+__all__ = [
+    "RMSNorm",
+    "rope_angles",
+    "apply_rope",
+    "RotaryEmbedding",
+    "swiglu_hidden_size",
+    "SwiGLUFeedForward",
+    "check_kv_heads",
+    "repeat_kv",
+    "GroupedQueryAttention",
+]
+
+
+# -- RMSNorm -------------------------------------------------------------------------------------------------------
+
+
+class RMSNorm(Module):
+    """Root-mean-square normalization (Zhang and Sennrich, 2019), as torch.nn.RMSNorm over the last dimension:
+
+        rrms = 1 / sqrt(mean(x^2) + eps),   xhat = x * rrms,   y = xhat * weight      (weight = 1 at first)
+
+    LayerNorm without the mean subtraction and without the bias: one reduction instead of two.
+    Backward, per row of n values, with g = dL/dy:
+        dL/dweight = sum over rows of g * xhat
+        dxhat = g * weight,   dL/dx = rrms * (dxhat - xhat * mean(dxhat * xhat))
+    from d xhat_i / d x_j = rrms (delta_ij - xhat_i xhat_j / n): only the component along xhat is removed (the one
+    direction that scaling x cannot change), not the mean as well, as in LayerNorm.
+    """
+
+    def __init__(self, d: int, eps: float = 1e-6, *, dtype=np.float32):
+        super().__init__()
+        self.d = check_size("RMSNorm", "d", d)
+        self.eps = check_real("RMSNorm", "eps", eps, low=0.0)
+        if not self.eps > 0:
+            raise ValueError(f"RMSNorm: eps must be > 0, got {eps!r}")
+        self.weight = Parameter(np.ones(self.d, dtype=check_dtype(dtype)))
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        check_input("RMSNorm", x, last_dim=self.d, dtype=self.weight.dtype)
+        rrms = 1 / np.sqrt(np.square(x).mean(axis=-1, keepdims=True) + self.eps)  # (N..., 1)
+        xhat = x * rrms  # (N..., d)
+        self._cache = (xhat, rrms)
+        return xhat * self.weight.data
+
+    def backward(self, grad_out: np.ndarray) -> np.ndarray:
+        xhat, rrms = self._saved()
+        check_grad("RMSNorm", grad_out, xhat.shape, xhat.dtype)
+        self.weight.grad += (grad_out * xhat).reshape(-1, self.d).sum(axis=0)
+        dxhat = grad_out * self.weight.data
+        dx = dxhat - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True)  # remove the component along xhat
+        dx *= rrms
+        return dx
+
+    def extra_repr(self) -> str:
+        return f"{self.d}, eps={self.eps}"
+
+
+# -- rotary position embedding ---------------------------------------------------------------------------------------
+
+
+def rope_angles(max_len: int, d_head: int, base: float = 10000.0, dtype=np.float32) -> tuple[np.ndarray, np.ndarray]:
+    """(cos, sin), each (max_len, d_head / 2): the angles p * w_i, w_i = base^(-2i / d_head), of chapter 7's table.
+
+    Computed in float64, then cast (as sinusoidal_positional_encoding). d_head must be even: pairs of columns.
+    """
+    check_sizes("rope_angles", max_len=max_len, d_head=d_head)
+    if d_head % 2:
+        raise ValueError(f"rope_angles: d_head must be even (the columns rotate in pairs), got d_head={d_head}")
+    base = check_real("rope_angles", "base", base, low=1.0)
+    omega = base ** (-np.arange(0, d_head, 2, dtype=np.float64) / d_head)  # (d_head / 2,)
+    angle = np.arange(max_len, dtype=np.float64)[:, None] * omega  # (max_len, d_head / 2)
+    dt = check_dtype(dtype)
+    return np.cos(angle).astype(dt), np.sin(angle).astype(dt)
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Rotate each pair (x[..., 2i], x[..., 2i+1]) of x (..., T, d) by the angle whose cos and sin are (T, d/2):
+
+        (x0, x1) -> (x0 cos - x1 sin,  x0 sin + x1 cos)
+
+    Its transpose (the backward) is the rotation by minus the angle: apply_rope(grad, cos, -sin).
+    """
+    x0, x1 = x[..., 0::2], x[..., 1::2]  # (..., T, d/2) views: the two members of each pair
+    out = np.empty_like(x)
+    out[..., 0::2] = x0 * cos - x1 * sin
+    out[..., 1::2] = x0 * sin + x1 * cos
+    return out
+
+
+class RotaryEmbedding(Module):
+    """Rotary position embedding (Su et al., 2021): position p turns each pair of a query or key by p * w_i.
+
+    Chapter 7 showed that the sinusoidal table moves from position p to p + k by a rotation M_k that depends on k
+    only. RoPE applies that rotation to the queries and keys themselves, per head: q_p -> M_p q_p, k_s -> M_s k_s.
+    Then (M_p q) . (M_s k) = q . M_p^T M_s k = q . M_(s-p) k: the score depends on the offset s - p, not on p.
+    Nothing is added to the embeddings, and there are no parameters (no state_dict keys).
+
+    forward(x (..., T, d_head), offset=0) rotates positions offset .. offset + T - 1; backward(grad) rotates back
+    (the transpose of a rotation is its inverse). `rotate(x, offset, inverse)` is the same map without a cache, for
+    a caller that rotates both queries and keys (GroupedQueryAttention).
+    """
+
+    def __init__(self, d_head: int, max_len: int, base: float = 10000.0, *, dtype=np.float32):
+        super().__init__()
+        self.dtype = check_dtype(dtype)
+        self.cos, self.sin = rope_angles(max_len, d_head, base, self.dtype)  # (max_len, d_head / 2) each
+        self.d_head, self.max_len, self.base = d_head, max_len, float(base)
+
+    def rotate(self, x: np.ndarray, offset: int = 0, inverse: bool = False) -> np.ndarray:
+        if self.cos.dtype != self.dtype:  # astype() changed the module's dtype: rebuild the tables exactly
+            self.cos, self.sin = rope_angles(self.max_len, self.d_head, self.base, self.dtype)
+        check_input("RotaryEmbedding", x, ndim_min=2, last_dim=self.d_head, dtype=self.dtype)
+        T = x.shape[-2]
+        offset = check_size("RotaryEmbedding", "offset", offset, minimum=0)
+        if offset + T > self.max_len:
+            start = f" starting at position {offset}" if offset else ""
+            raise ValueError(f"RotaryEmbedding: sequence length {T}{start} exceeds max_len {self.max_len}")
+        sin = self.sin[offset : offset + T]
+        return apply_rope(x, self.cos[offset : offset + T], -sin if inverse else sin)
+
+    def forward(self, x: np.ndarray, offset: int = 0) -> np.ndarray:
+        y = self.rotate(x, offset)
+        self._cache = (x.shape, offset)
+        return y
+
+    def backward(self, grad_out: np.ndarray) -> np.ndarray:
+        shape, offset = self._saved()
+        check_grad("RotaryEmbedding", grad_out, shape, self.dtype)
+        return self.rotate(grad_out, offset, inverse=True)  # y = M x  ->  dx = M^T dy
+
+    def extra_repr(self) -> str:
+        return f"d_head={self.d_head}, max_len={self.max_len}, base={self.base}"
+
+
+# -- SwiGLU ----------------------------------------------------------------------------------------------------------
+
+
+def swiglu_hidden_size(d_ff: int) -> int:
+    """The hidden size that gives a SwiGLU feed-forward the parameters of a two-matrix one of width d_ff.
+
+    Two matrices d_model x d_ff hold 2 d_model d_ff weights; three of d_model x h hold 3 d_model h: equal for
+    h = 2 d_ff / 3 (Shazeer, 2020; Llama rounds it up to a multiple of 256). Rounded to the nearest int.
+    """
+    return max(1, round(2 * check_size("swiglu_hidden_size", "d_ff", d_ff) / 3))
+
+
+class SwiGLUFeedForward(Module):
+    """FFN_SwiGLU(x) = down( silu(gate(x)) * up(x) ), silu(a) = a sigmoid(a) (Shazeer, 2020): a gated linear unit.
+
+    Three bias-free matrices, gate and up d_model -> d_ff, down d_ff -> d_model (state_dict keys gate_proj.weight,
+    up_proj.weight, down_proj.weight). Pass d_ff = swiglu_hidden_size(width) to match the parameters of a
+    PositionwiseFeedForward of that width. Dropout on the hidden product, as PositionwiseFeedForward's.
+
+    Backward, with a = gate(x), b = up(x), s = silu(a), h = s * b, and sigma = sigmoid(a):
+        dh = down^T dy,  ds = dh * b,  db = dh * s,  da = ds * sigma (1 + a (1 - sigma))     [silu'(a)]
+        dx = gate^T da + up^T db
+    """
+
+    def __init__(self, d_model: int, d_ff: int, dropout: float = 0.0, *, rng=None, dtype=np.float32):
+        super().__init__()
+        check_sizes("SwiGLUFeedForward", d_model=d_model, d_ff=d_ff)
+        dt, g = check_dtype(dtype), as_rng(rng)
+        self.d_model, self.d_ff = d_model, d_ff
+        self.gate_proj = Linear(d_model, d_ff, bias=False, rng=g, dtype=dt)  # (d_ff, d_model)
+        self.up_proj = Linear(d_model, d_ff, bias=False, rng=g, dtype=dt)  # (d_ff, d_model)
+        self.dropout = Dropout(dropout, rng=g)
+        self.down_proj = Linear(d_ff, d_model, bias=False, rng=g, dtype=dt)  # (d_model, d_ff)
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        a, b = self.gate_proj(x), self.up_proj(x)  # (B, T, d_ff) each
+        sigma = 1 / (1 + np.exp(-a))  # sigmoid(a); exp overflows to inf for a < -88 (float32): 1/inf = 0, correct
+        s = a * sigma  # silu(a)
+        self._cache = (a, b, sigma, s)
+        return self.down_proj(self.dropout(s * b))  # (B, T, d_model)
+
+    def backward(self, grad_out: np.ndarray) -> np.ndarray:
+        a, b, sigma, s = self._saved()
+        dh = self.dropout.backward(self.down_proj.backward(grad_out))  # (B, T, d_ff)
+        da = dh * b * sigma * (1 + a * (1 - sigma))  # through the product, then silu'(a)
+        return self.gate_proj.backward(da) + self.up_proj.backward(dh * s)  # x fed both: the gradients add
+
+    def extra_repr(self) -> str:
+        return f"d_model={self.d_model}, d_ff={self.d_ff}"
+
+
+# -- grouped-query attention -----------------------------------------------------------------------------------------
+
+
+def check_kv_heads(owner: str, n_heads: int, n_kv_heads) -> int:
+    """n_kv_heads (None: n_heads) must divide n_heads: each key/value head serves n_heads / n_kv_heads query heads."""
+    if n_kv_heads is None:
+        return n_heads
+    n_kv_heads = check_size(owner, "n_kv_heads", n_kv_heads)
+    if n_heads % n_kv_heads:
+        raise ValueError(f"{owner}: n_heads={n_heads} must be divisible by n_kv_heads={n_kv_heads}")
+    return n_kv_heads
+
+
+def repeat_kv(x: np.ndarray, n_rep: int) -> np.ndarray:
+    """(B, Hkv, T, d) -> (B, Hkv * n_rep, T, d): key/value head j serves query heads j n_rep .. (j + 1) n_rep - 1
+    (torch's enable_gqa layout). Its backward sums each group: grad.reshape(B, Hkv, n_rep, T, d).sum(axis=2)."""
+    return x if n_rep == 1 else np.repeat(x, n_rep, axis=1)
+
+
+class GroupedQueryAttention(Module):
+    """Causal-or-not self-attention with n_kv_heads key/value heads shared by n_heads query heads (Ainslie et al.,
+    2023); n_kv_heads = n_heads is multi-head attention, 1 is multi-query attention (Shazeer, 2019).
+
+    forward(x (B, T, d), mask, offset=0) -> (B, T, d); backward(dy) -> dx. Projections q_proj (d -> d), k_proj and
+    v_proj (d -> n_kv_heads d_head), out_proj (d -> d): with n_kv_heads = n_heads the same keys and shapes as
+    MultiHeadAttention, and the same function (the tests load one into the other). `rotary` (a RotaryEmbedding for
+    d_head, or None) rotates queries and keys at positions offset .. offset + T - 1, after the projection and the
+    split into heads. The key/value cache of `forward_step` holds n_kv_heads heads: n_heads / n_kv_heads times
+    smaller than multi-head attention's. After a forward, `attn_weights` holds (B, H, T, T) (before dropout).
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        n_kv_heads: int | None = None,
+        dropout: float = 0.0,
+        bias: bool = True,
+        *,
+        rotary: RotaryEmbedding | None = None,
+        rng=None,
+        dtype=np.float32,
+    ):
+        super().__init__()
+        owner = "GroupedQueryAttention"
+        check_sizes(owner, d_model=d_model, n_heads=n_heads)
+        if d_model % n_heads:
+            raise ValueError(f"{owner}: d_model={d_model} must be divisible by n_heads={n_heads}")
+        self.d_model, self.n_heads, self.d_head = d_model, n_heads, d_model // n_heads
+        self.n_kv_heads = check_kv_heads(owner, n_heads, n_kv_heads)
+        if rotary is not None and (not isinstance(rotary, RotaryEmbedding) or rotary.d_head != self.d_head):
+            raise ValueError(f"{owner}: rotary expected a RotaryEmbedding with d_head={self.d_head}, got {rotary!r}")
+        dt, g = check_dtype(dtype), as_rng(rng)
+        d_kv = self.n_kv_heads * self.d_head
+        self.q_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
+        self.k_proj = Linear(d_model, d_kv, bias, rng=g, dtype=dt)
+        self.v_proj = Linear(d_model, d_kv, bias, rng=g, dtype=dt)
+        self.out_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
+        self.dropout = Dropout(dropout, rng=g)
+        self.rotary = rotary
+        self.attn_weights: np.ndarray | None = None
+
+    def _split(self, x: np.ndarray, n: int) -> np.ndarray:
+        """(B, T, n * d_head) -> (B, n, T, d_head)."""
+        B, T, _ = x.shape
+        return x.reshape(B, T, n, self.d_head).transpose(0, 2, 1, 3)
+
+    def _merge(self, x: np.ndarray) -> np.ndarray:
+        """(B, n, T, d_head) -> (B, T, n * d_head)."""
+        B, n, T, _ = x.shape
+        return x.transpose(0, 2, 1, 3).reshape(B, T, n * self.d_head)
+
+    def _project(self, x: np.ndarray, offset: int):
+        """Queries (B, H, T, dh), keys and values (B, Hkv, T, dh), queries and keys rotated if RoPE is on."""
+        check_input("GroupedQueryAttention: x", x, ndim_min=3, last_dim=self.d_model, dtype=self.q_proj.weight.dtype)
+        if x.ndim != 3:
+            raise ValueError(f"GroupedQueryAttention: x must be (B, T, d_model), got shape {x.shape}")
+        q = self._split(self.q_proj(x), self.n_heads)
+        k = self._split(self.k_proj(x), self.n_kv_heads)
+        v = self._split(self.v_proj(x), self.n_kv_heads)
+        if self.rotary is not None:
+            q, k = self.rotary.rotate(q, offset), self.rotary.rotate(k, offset)
+        return q, k, v
+
+    def forward(self, x: np.ndarray, mask: np.ndarray | None = None, offset: int = 0) -> np.ndarray:
+        q, k, v = self._project(x, offset)
+        n_rep = self.n_heads // self.n_kv_heads
+        k_rep, v_rep = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # (B, H, T, dh): each kv head to its query heads
+        p = attention_weights(q, k_rep, mask)  # (B, H, T, T)
+        p_drop = self.dropout(p)
+        self.attn_weights = p
+        self._cache = (q, k_rep, v_rep, p, p_drop, x.shape, offset)
+        return self.out_proj(self._merge(p_drop @ v_rep))  # (B, T, d)
+
+    def backward(self, grad_out: np.ndarray) -> np.ndarray:
+        q, k_rep, v_rep, p, p_drop, x_shape, offset = self._saved()
+        check_grad("GroupedQueryAttention", grad_out, x_shape, q.dtype)
+        d_ctx = self._split(self.out_proj.backward(grad_out), self.n_heads)  # (B, H, T, dh)
+        dv_rep = np.swapaxes(p_drop, -1, -2) @ d_ctx  # (B, H, T, dh)
+        dp = self.dropout.backward(d_ctx @ np.swapaxes(v_rep, -1, -2))  # (B, H, T, T)
+        dq, dk_rep = attention_weights_backward(dp, q, k_rep, p)
+        dk, dv = self._sum_groups(dk_rep), self._sum_groups(dv_rep)  # (B, Hkv, T, dh): a shared head adds up
+        if self.rotary is not None:  # q = M q0, k = M k0: dq0 = M^T dq
+            dq, dk = self.rotary.rotate(dq, offset, inverse=True), self.rotary.rotate(dk, offset, inverse=True)
+        dx = self.q_proj.backward(self._merge(dq))
+        dx += self.k_proj.backward(self._merge(dk))
+        dx += self.v_proj.backward(self._merge(dv))
+        return dx  # (B, T, d): x fed all three projections
+
+    def _sum_groups(self, g: np.ndarray) -> np.ndarray:
+        """The backward of repeat_kv: (B, H, T, dh) -> (B, Hkv, T, dh), summing the n_rep copies of each head."""
+        B, _, T, dh = g.shape
+        return g.reshape(B, self.n_kv_heads, self.n_heads // self.n_kv_heads, T, dh).sum(axis=2)
+
+    def forward_step(self, x: np.ndarray, cache: dict, mask: np.ndarray | None = None) -> np.ndarray:
+        """`forward` for new positions x (B, Tn, d) only (inference: no backward). cache["k"], cache["v"]
+        (B, Hkv, T, dh) hold every earlier position's keys and values (rotated at their own positions); the new
+        ones are appended. The new positions start at T (the cache's length), where RoPE rotates them. `mask`
+        covers all keys so far, (B or 1, 1, Tn, T + Tn)."""
+        offset = cache["k"].shape[2] if "k" in cache else 0
+        q, k, v = self._project(x, offset)
+        self._cache = None  # nothing for a backward: one after this step is an error, not a wrong gradient
+        if "k" in cache:
+            k, v = np.concatenate([cache["k"], k], axis=2), np.concatenate([cache["v"], v], axis=2)
+        cache["k"], cache["v"] = k, v  # (B, Hkv, T + Tn, dh): the un-repeated heads are what is stored
+        n_rep = self.n_heads // self.n_kv_heads
+        p = attention_weights(q, repeat_kv(k, n_rep), mask)  # (B, H, Tn, T + Tn)
+        return self.out_proj(self._merge(self.dropout(p) @ repeat_kv(v, n_rep)))
+
+    def extra_repr(self) -> str:
+        rope = ", rotary" if self.rotary is not None else ""
+        return f"d_model={self.d_model}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}{rope}"

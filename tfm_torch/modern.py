@@ -1,0 +1,209 @@
+"""Since 2017, PyTorch track: the same names, arguments and state_dict keys as tfm_numpy.modern (RMSNorm, rotary
+position embedding, the SwiGLU feed-forward, grouped-query attention); autograd does the backward."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tfm_common.validate import check_real, check_size, check_sizes
+
+from .attention import attention_weights
+from .layers import Dropout, Linear
+from .module import as_generator, check_dtype, check_input
+
+__all__ = [
+    "RMSNorm",
+    "rope_angles",
+    "apply_rope",
+    "RotaryEmbedding",
+    "swiglu_hidden_size",
+    "SwiGLUFeedForward",
+    "check_kv_heads",
+    "repeat_kv",
+    "GroupedQueryAttention",
+]
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * weight over the last dimension (twin of tfm_numpy's; the tests compare it with
+    torch.nn.RMSNorm). Written out to mirror tfm_numpy."""
+
+    def __init__(self, d: int, eps: float = 1e-6, *, dtype=None):
+        super().__init__()
+        self.d = check_size("RMSNorm", "d", d)
+        self.eps = check_real("RMSNorm", "eps", eps, low=0.0)
+        if not self.eps > 0:
+            raise ValueError(f"RMSNorm: eps must be > 0, got {eps!r}")
+        self.weight = nn.Parameter(torch.ones(self.d, dtype=check_dtype(dtype)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        check_input("RMSNorm", x, last_dim=self.d, dtype=self.weight.dtype)
+        return x * torch.rsqrt((x * x).mean(dim=-1, keepdim=True) + self.eps) * self.weight
+
+    def extra_repr(self) -> str:
+        return f"{self.d}, eps={self.eps}"
+
+
+def rope_angles(max_len: int, d_head: int, base: float = 10000.0, dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin), each (max_len, d_head / 2), of the angles p * base^(-2i / d_head); float64, then cast."""
+    check_sizes("rope_angles", max_len=max_len, d_head=d_head)
+    if d_head % 2:
+        raise ValueError(f"rope_angles: d_head must be even (the columns rotate in pairs), got d_head={d_head}")
+    base = check_real("rope_angles", "base", base, low=1.0)
+    omega = base ** (-torch.arange(0, d_head, 2, dtype=torch.float64) / d_head)  # (d_head / 2,)
+    angle = torch.arange(max_len, dtype=torch.float64)[:, None] * omega  # (max_len, d_head / 2)
+    dt = check_dtype(dtype)
+    return torch.cos(angle).to(dt), torch.sin(angle).to(dt)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Each pair (x[..., 2i], x[..., 2i+1]) -> (x0 cos - x1 sin, x0 sin + x1 cos); cos, sin (T, d/2)."""
+    x0, x1 = x[..., 0::2], x[..., 1::2]
+    return torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).flatten(-2)  # pairs back in place
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding, twin of tfm_numpy's: forward(x (..., T, d_head), offset=0) rotates positions
+    offset .. offset + T - 1; `rotate(x, offset, inverse)`. The tables are non-persistent buffers (no state_dict)."""
+
+    def __init__(self, d_head: int, max_len: int, base: float = 10000.0, *, dtype=None):
+        super().__init__()
+        cos, sin = rope_angles(max_len, d_head, base, check_dtype(dtype))
+        self.register_buffer("cos", cos, persistent=False)  # moves with .to()/.double(), not saved
+        self.register_buffer("sin", sin, persistent=False)
+        self.d_head, self.max_len, self.base = d_head, max_len, float(base)
+
+    def rotate(self, x: torch.Tensor, offset: int = 0, inverse: bool = False) -> torch.Tensor:
+        check_input("RotaryEmbedding", x, ndim_min=2, last_dim=self.d_head, dtype=self.cos.dtype)
+        T = x.shape[-2]
+        offset = check_size("RotaryEmbedding", "offset", offset, minimum=0)
+        if offset + T > self.max_len:
+            start = f" starting at position {offset}" if offset else ""
+            raise ValueError(f"RotaryEmbedding: sequence length {T}{start} exceeds max_len {self.max_len}")
+        sin = self.sin[offset : offset + T]
+        return apply_rope(x, self.cos[offset : offset + T], -sin if inverse else sin)
+
+    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        return self.rotate(x, offset)
+
+    def extra_repr(self) -> str:
+        return f"d_head={self.d_head}, max_len={self.max_len}, base={self.base}"
+
+
+def swiglu_hidden_size(d_ff: int) -> int:
+    """round(2 d_ff / 3): a SwiGLU feed-forward of that width has the weights of a two-matrix one of width d_ff."""
+    return max(1, round(2 * check_size("swiglu_hidden_size", "d_ff", d_ff) / 3))
+
+
+class SwiGLUFeedForward(nn.Module):
+    """down(silu(gate(x)) * up(x)), three bias-free matrices (twin of tfm_numpy's)."""
+
+    def __init__(self, d_model: int, d_ff: int, dropout: float = 0.0, *, rng=None, dtype=None):
+        super().__init__()
+        check_sizes("SwiGLUFeedForward", d_model=d_model, d_ff=d_ff)
+        dt, g = check_dtype(dtype), as_generator(rng)
+        self.d_model, self.d_ff = d_model, d_ff
+        self.gate_proj = Linear(d_model, d_ff, bias=False, rng=g, dtype=dt)
+        self.up_proj = Linear(d_model, d_ff, bias=False, rng=g, dtype=dt)
+        self.dropout = Dropout(dropout, rng=g)
+        self.down_proj = Linear(d_ff, d_model, bias=False, rng=g, dtype=dt)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.gate_proj(x)  # (B, T, d_ff)
+        return self.down_proj(self.dropout(a * torch.sigmoid(a) * self.up_proj(x)))  # silu(a) * b
+
+    def extra_repr(self) -> str:
+        return f"d_model={self.d_model}, d_ff={self.d_ff}"
+
+
+def check_kv_heads(owner: str, n_heads: int, n_kv_heads) -> int:
+    """n_kv_heads (None: n_heads) must divide n_heads."""
+    if n_kv_heads is None:
+        return n_heads
+    n_kv_heads = check_size(owner, "n_kv_heads", n_kv_heads)
+    if n_heads % n_kv_heads:
+        raise ValueError(f"{owner}: n_heads={n_heads} must be divisible by n_kv_heads={n_kv_heads}")
+    return n_kv_heads
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """(B, Hkv, T, d) -> (B, Hkv * n_rep, T, d), head j to query heads j n_rep .. (j + 1) n_rep - 1."""
+    return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
+
+
+class GroupedQueryAttention(nn.Module):
+    """Grouped-query self-attention, twin of tfm_numpy's: forward(x, mask, offset=0) -> (B, T, d); forward_step
+    with a cache of n_kv_heads heads; `rotary` rotates queries and keys."""
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        n_kv_heads: int | None = None,
+        dropout: float = 0.0,
+        bias: bool = True,
+        *,
+        rotary: RotaryEmbedding | None = None,
+        rng=None,
+        dtype=None,
+    ):
+        super().__init__()
+        owner = "GroupedQueryAttention"
+        check_sizes(owner, d_model=d_model, n_heads=n_heads)
+        if d_model % n_heads:
+            raise ValueError(f"{owner}: d_model={d_model} must be divisible by n_heads={n_heads}")
+        self.d_model, self.n_heads, self.d_head = d_model, n_heads, d_model // n_heads
+        self.n_kv_heads = check_kv_heads(owner, n_heads, n_kv_heads)
+        if rotary is not None and (not isinstance(rotary, RotaryEmbedding) or rotary.d_head != self.d_head):
+            raise ValueError(f"{owner}: rotary expected a RotaryEmbedding with d_head={self.d_head}, got {rotary!r}")
+        dt, g = check_dtype(dtype), as_generator(rng)
+        d_kv = self.n_kv_heads * self.d_head
+        self.q_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
+        self.k_proj = Linear(d_model, d_kv, bias, rng=g, dtype=dt)
+        self.v_proj = Linear(d_model, d_kv, bias, rng=g, dtype=dt)
+        self.out_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
+        self.dropout = Dropout(dropout, rng=g)
+        self.rotary = rotary
+        self.attn_weights: torch.Tensor | None = None
+
+    def _split(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        B, T, _ = x.shape
+        return x.reshape(B, T, n, self.d_head).transpose(1, 2)
+
+    def _merge(self, x: torch.Tensor) -> torch.Tensor:
+        B, n, T, _ = x.shape
+        return x.transpose(1, 2).reshape(B, T, n * self.d_head)
+
+    def _project(self, x: torch.Tensor, offset: int):
+        check_input("GroupedQueryAttention: x", x, ndim_min=3, last_dim=self.d_model, dtype=self.q_proj.weight.dtype)
+        if x.dim() != 3:
+            raise ValueError(f"GroupedQueryAttention: x must be (B, T, d_model), got shape {tuple(x.shape)}")
+        q = self._split(self.q_proj(x), self.n_heads)
+        k = self._split(self.k_proj(x), self.n_kv_heads)
+        v = self._split(self.v_proj(x), self.n_kv_heads)
+        if self.rotary is not None:
+            q, k = self.rotary.rotate(q, offset), self.rotary.rotate(k, offset)
+        return q, k, v
+
+    def _attend(self, q, k, v, mask) -> torch.Tensor:
+        n_rep = self.n_heads // self.n_kv_heads
+        p = attention_weights(q, repeat_kv(k, n_rep), mask)  # (B, H, Tq, Tk)
+        self.attn_weights = p.detach()
+        return self.out_proj(self._merge(self.dropout(p) @ repeat_kv(v, n_rep)))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, offset: int = 0) -> torch.Tensor:
+        return self._attend(*self._project(x, offset), mask)  # (B, T, d)
+
+    def forward_step(self, x: torch.Tensor, cache: dict, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """`forward` for new positions only; cache["k"], cache["v"] (B, Hkv, T, dh) grow by the new ones."""
+        offset = cache["k"].shape[2] if "k" in cache else 0
+        q, k, v = self._project(x, offset)
+        if "k" in cache:
+            k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)
+        cache["k"], cache["v"] = k, v
+        return self._attend(q, k, v, mask)
+
+    def extra_repr(self) -> str:
+        rope = ", rotary" if self.rotary is not None else ""
+        return f"d_model={self.d_model}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}{rope}"
