@@ -15,7 +15,7 @@ import numbers
 import numpy as np
 
 __all__ = ["check_size", "check_sizes", "check_flag", "check_choice", "check_seed", "check_real", "check_real_arg",
-           "check_adam_args"]  # fmt: skip
+           "check_adam_args", "normalized_shape", "check_decode_cache"]  # fmt: skip
 
 
 def _is_int(value) -> bool:
@@ -87,3 +87,25 @@ def check_adam_args(name: str, lr, betas, eps, weight_decay) -> tuple[float, tup
         raise ValueError(f"{name}: betas expected a pair (beta1, beta2), got {betas!r}")
     betas = tuple(check_real_arg(name, f"betas[{i}]", b, 0.0, 1.0) for i, b in enumerate(betas))
     return lr, betas, check_real_arg(name, "eps", eps, 0.0), check_real_arg(name, "weight_decay", weight_decay, 0.0)
+
+
+def normalized_shape(owner: str, value) -> tuple[int, ...]:
+    """A LayerNorm's normalized_shape: an int or a non-empty sequence of ints, each >= 1, as a tuple of ints."""
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise ValueError(f"{owner}: normalized_shape must not be empty")
+        return tuple(check_size(owner, f"normalized_shape[{i}]", n) for i, n in enumerate(value))
+    return (check_size(owner, "normalized_shape", value),)
+
+
+def check_decode_cache(cache, batch: int) -> None:
+    """Transformer.decode_step's cache (either track): a dict, empty at the first step, then of one batch size."""
+    if not isinstance(cache, dict):
+        raise TypeError(
+            f"Transformer.decode_step: cache expected a dict (empty at the first step), got {type(cache).__name__}"
+        )
+    if "keep" in cache and cache["keep"].shape[0] != batch:
+        raise ValueError(
+            f"Transformer.decode_step: the cache holds {cache['keep'].shape[0]} sequences, tgt_new has {batch}: "
+            "start a new cache ({}) for another batch, or select rows with reorder_cache"
+        )

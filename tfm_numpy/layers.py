@@ -9,7 +9,8 @@ import math
 
 import numpy as np
 
-from tfm_common.validate import check_size, check_sizes
+from tfm_common.validate import check_sizes
+from tfm_common.validate import normalized_shape as normalized_shape_of
 
 from .functional import erf
 from .module import Module, Parameter, as_rng, check_dtype, check_grad, check_indices, check_input, check_probability
@@ -230,7 +231,7 @@ class LayerNorm(Module):
 
     def __init__(self, normalized_shape, eps: float = 1e-5, *, dtype=np.float32):
         super().__init__()
-        shape = _normalized_shape(normalized_shape)
+        shape = normalized_shape_of("LayerNorm", normalized_shape)
         if not eps > 0:
             raise ValueError(f"LayerNorm: eps must be > 0, got {eps}")
         self.normalized_shape, self.eps = tuple(int(n) for n in shape), float(eps)
@@ -270,12 +271,3 @@ class LayerNorm(Module):
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}"
-
-
-def _normalized_shape(normalized_shape) -> tuple[int, ...]:
-    """An int or a non-empty sequence of ints, each >= 1 (Python or NumPy ints), as a tuple of Python ints."""
-    if isinstance(normalized_shape, (list, tuple)):
-        if not normalized_shape:
-            raise ValueError("LayerNorm: normalized_shape must not be empty")
-        return tuple(check_size("LayerNorm", f"normalized_shape[{i}]", n) for i, n in enumerate(normalized_shape))
-    return (check_size("LayerNorm", "normalized_shape", normalized_shape),)

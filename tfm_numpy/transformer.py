@@ -14,6 +14,8 @@ import math
 
 import numpy as np
 
+from tfm_common.validate import check_decode_cache
+
 from .attention import check_attention, decoder_mask, padding_mask, use_attention
 from .decoding import cache_append
 from .encoder_decoder import Decoder, Encoder, _check_bool, _check_positive
@@ -206,7 +208,7 @@ class Transformer(Module):
                               {"k", "v"} (B, H, S, dk), the memory's, computed at the first step
         """
         self._check_tokens("tgt_new", tgt_new, self.tgt_vocab_size)
-        _check_cache(cache, tgt_new.shape[0])
+        check_decode_cache(cache, tgt_new.shape[0])
         t0, Tn = cache.get("length", 0), tgt_new.shape[1]
         if t0 + Tn > self.max_len:
             raise ValueError(f"Transformer.decode_step: positions up to {t0 + Tn - 1} exceed max_len={self.max_len}")
@@ -275,19 +277,6 @@ class Transformer(Module):
     def extra_repr(self) -> str:
         c = self.config
         return ", ".join(f"{k}={c[k]!r}" for k in ("norm_first", "positional", "share_embeddings", "tie_output"))
-
-
-def _check_cache(cache, batch: int) -> None:
-    """decode_step's cache: a dict, empty at the first step, then of the same batch size as every later step."""
-    if not isinstance(cache, dict):
-        raise TypeError(
-            f"Transformer.decode_step: cache expected a dict (empty at the first step), got {type(cache).__name__}"
-        )
-    if "keep" in cache and cache["keep"].shape[0] != batch:
-        raise ValueError(
-            f"Transformer.decode_step: the cache holds {cache['keep'].shape[0]} sequences, tgt_new has {batch}: "
-            "start a new cache ({}) for another batch, or select rows with reorder_cache"
-        )
 
 
 def _check_config(owner: str, c: dict) -> dict:

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tfm_common.validate import check_size, check_sizes
+from tfm_common.validate import check_sizes
+from tfm_common.validate import normalized_shape as normalized_shape_of
 
 from .module import as_generator, check_dtype, check_indices, check_input, check_probability
 
@@ -145,7 +146,7 @@ class LayerNorm(nn.Module):
 
     def __init__(self, normalized_shape, eps: float = 1e-5, *, dtype=None):
         super().__init__()
-        shape = _normalized_shape(normalized_shape)
+        shape = normalized_shape_of("LayerNorm", normalized_shape)
         if not eps > 0:
             raise ValueError(f"LayerNorm: eps must be > 0, got {eps}")
         self.normalized_shape, self.eps = tuple(int(n) for n in shape), float(eps)
@@ -165,12 +166,3 @@ class LayerNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}"
-
-
-def _normalized_shape(normalized_shape) -> tuple[int, ...]:
-    """An int or a non-empty sequence of ints, each >= 1 (Python or NumPy ints), as a tuple of Python ints."""
-    if isinstance(normalized_shape, (list, tuple)):
-        if not normalized_shape:
-            raise ValueError("LayerNorm: normalized_shape must not be empty")
-        return tuple(check_size("LayerNorm", f"normalized_shape[{i}]", n) for i, n in enumerate(normalized_shape))
-    return (check_size("LayerNorm", "normalized_shape", normalized_shape),)
