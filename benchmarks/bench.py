@@ -17,7 +17,11 @@ What it prints, every figure measured in this one run:
   4. greedy decoding with and without the key/value cache as the output grows (small config);
   5. the NumPy track in float64 against float32;
   6. the NumPy track's time per decoded token against its position, with the preallocated key/value cache and
-     with the concatenating one (cache["preallocate"] = False), one token at a time through decode_step.
+     with the concatenating one (cache["preallocate"] = False), one token at a time through decode_step;
+  7. a training step of the decoder-only GPT (chapter 17b; LayerNorm, learned positions, GELU, tied output) at a
+     small and a base config: the NumPy GPT, the torch GPT and, third, the same GPT built from torch.nn's layers
+     (tfm_torch.ReferenceGPT: nn.TransformerEncoderLayer(norm_first=True) with a causal mask, what a user would
+     pick; same weights and batches).
 
 How it measures. Each library runs in its own worker process (`--worker numpy|torch`), started with its thread
 settings in the environment before NumPy or torch is imported: OMP_WAIT_POLICY=PASSIVE (torch's OpenMP threads
@@ -43,6 +47,7 @@ target vocabulary V, one multiply-add = 2 FLOPs:
     forward = N (encoder layer + decoder layer) + output;  backward = 2 x forward (every matmul Y = X W needs
     dX = dY W^T and dW = X^T dY, each as many FLOPs as Y);  training step = 3 x forward.
 The embeddings are lookups (no FLOPs). Decoding counts are not converted to FLOP/s.
+    GPT layer       2 B T (4 d^2 + 2 d d_ff) + 4 B T^2 d   (the full T x T square again);  output 2 B T d V.
 """
 
 from __future__ import annotations
@@ -64,7 +69,12 @@ CONFIGS = {
     "small": dict(d_model=128, n_heads=4, d_ff=512, n_layers=2, vocab=1000, batch=32, length=32),
     "base": dict(d_model=512, n_heads=8, d_ff=2048, n_layers=6, vocab=8000, batch=16, length=64),
 }
-SECTIONS = ("train", "forward", "decode", "float64", "positions")
+GPT_CONFIGS = {
+    # the decoder-only GPT: batch windows of `length` tokens; same widths as the encoder-decoder configs
+    "small": dict(vocab_size=1000, d_model=128, n_heads=4, d_ff=512, n_layers=4, batch=16, length=64),
+    "base": dict(vocab_size=8000, d_model=512, n_heads=8, d_ff=2048, n_layers=6, batch=8, length=128),
+}
+SECTIONS = ("train", "forward", "decode", "float64", "positions", "gpt")
 PAD, BOS = 0, 1  # token ids of the benchmark's vocabulary; real tokens are drawn from [3, vocab)
 
 
@@ -87,6 +97,27 @@ def train_flops(cfg: dict) -> int:
 
 
 # -- the workers: one process per library ------------------------------------------------------------------------
+
+
+def gpt_train_flops(cfg: dict) -> int:
+    """Matmul FLOPs of one GPT training step (3 x forward; the formula in the module docstring)."""
+    B, T, d, V = cfg["batch"], cfg["length"], cfg["d_model"], cfg["vocab_size"]
+    layer = 2 * B * T * (4 * d * d + 2 * d * cfg["d_ff"]) + 4 * B * T * T * d
+    return 3 * (cfg["n_layers"] * layer + 2 * B * T * d * V)
+
+
+def _gpt(module, cfg: dict, dtype):
+    """The GPT of `cfg` in the given track (tfm_numpy or tfm_torch), rng 0, dropout 0."""
+    sizes = {k: cfg[k] for k in ("vocab_size", "d_model", "n_heads", "d_ff", "n_layers")}
+    return module.GPT(**sizes, max_len=cfg["length"], rng=0, dtype=dtype)
+
+
+def _gpt_data(cfg: dict, seed: int = 2):
+    """Random windows x (B, T) and their next tokens y (B, T)."""
+    import numpy as np
+
+    ids = np.random.default_rng(seed).integers(0, cfg["vocab_size"], (cfg["batch"], cfg["length"] + 1))
+    return ids[:, :-1], ids[:, 1:]
 
 
 def _thread_env(threads: int) -> dict:
@@ -173,7 +204,7 @@ class NumpyTrack:
         a, b = g.standard_normal((n, n)).astype(dtype), g.standard_normal((n, n)).astype(dtype)
         return lambda: a @ b
 
-    def train(self, cfg: dict, dtype: str, dropout: float):
+    def train(self, cfg: dict, dtype: str, dropout: float = 0.0):
         tnp = self.tnp
         model = _numpy_model(cfg, dropout, dtype, max_len=cfg["length"] + 1)
         src, tgt = _data(cfg, cfg["length"])
@@ -220,6 +251,13 @@ class NumpyTrack:
 
         return run
 
+    def gpt(self, cfg: dict, dtype: str):
+        tnp = self.tnp
+        model = _gpt(tnp, cfg, self.np.dtype(dtype))
+        x, y = _gpt_data(cfg)
+        opt, loss_fn = tnp.make_adam(model, lr=1e-4), tnp.CrossEntropyLoss()
+        return lambda: tnp.lm_train_step(model, x, y, opt, loss_fn, lr=1e-4)
+
 
 class TorchTrack:
     name = "torch"
@@ -255,7 +293,7 @@ class TorchTrack:
         a, b = torch.randn(n, n, generator=g, dtype=dt), torch.randn(n, n, generator=g, dtype=dt)
         return lambda: a @ b
 
-    def train(self, cfg: dict, dtype: str, dropout: float, impl: str = "tfm"):
+    def train(self, cfg: dict, dtype: str, dropout: float = 0.0, impl: str = "tfm"):
         """impl="tfm": our torch track; "nn": torch.nn.Transformer with the same embeddings, output layer, weights."""
         torch, tpt = self.torch, self.tpt
         model = self._model(cfg, dropout, dtype, max_len=cfg["length"] + 1).train()
@@ -295,6 +333,26 @@ class TorchTrack:
 
         eos = _eos_never_generated(lambda eos: run(eos, True), lambda t: t.numpy(), out_len)
         return lambda: run(eos)
+
+    def gpt(self, cfg: dict, dtype: str, impl: str = "tfm"):
+        """impl="tfm": our torch GPT; "nn": the GPT from torch.nn's layers (ReferenceGPT), same weights (NumPy's)."""
+        torch, tpt = self.torch, self.tpt
+        ref = _gpt(NumpyTrack().tnp, cfg, dtype)
+        model = _gpt(tpt, cfg, getattr(torch, dtype))
+        model.load_state_dict({k: torch.from_numpy(v) for k, v in ref.state_dict().items()})
+        if impl == "nn":
+            model = tpt.to_torch_nn_gpt(model)
+        x, y = (torch.from_numpy(a) for a in _gpt_data(cfg))
+        opt, loss_fn = tpt.make_adam(model, lr=1e-4), tpt.CrossEntropyLoss()
+
+        def step():
+            opt.zero_grad()
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            opt.step()
+            return loss
+
+        return step
 
 
 def _eos_never_generated(decode, to_numpy, out_len: int) -> int:
@@ -494,15 +552,16 @@ class Bench:
         rows = [[f"{k[0]} {k[1]}", f"{v:.1f}"] for k, v in self.mm.items()]
         print_table(f"1. Matrix multiply {n} x {n} x {n} (best of {self.repeats})", ["", "GFLOP/s"], rows)
 
-    def train(self) -> None:
-        self.res["train"], rows = {}, []
+    def _three_way(self, task: str, configs: dict, flops_of, title: str) -> dict:
+        """A training step in three workers (NumPy, torch, torch.nn's layers) per config: the table and the results."""
+        res, rows = {}, []
         peak_np, peak_t = self.mm[("numpy", "float32")], self.mm[("torch", "float32")]
         nn_worker = Worker("torch", self.args.threads or self.res["threads"], label="torch.nn", extra={"impl": "nn"})
         try:
             for c in self.configs:
-                cfg, flops = CONFIGS[c], train_flops(CONFIGS[c])
-                r = self.measure([*self.workers, nn_worker], "train", cfg=cfg, dtype="float32", dropout=0.0)
-                self.res["train"][c] = {"flops": flops, **r}
+                cfg, flops = configs[c], flops_of(configs[c])
+                r = self.measure([*self.workers, nn_worker], task, cfg=cfg, dtype="float32")
+                res[c] = {"cfg": cfg, "flops": flops, **r}
                 tn, tt, tr = (r[k]["median_s"] for k in ("numpy", "torch", "torch.nn"))
                 row = [c, f"{flops / 1e9:.2f}", fmt_ms(tn), fmt_ms(tt), fmt_ms(tr), f"{tn / tt:.2f}", f"{tn / tr:.2f}"]
                 rates = [pct(flops / x / 1e9, peak) for x, peak in ((tn, peak_np), (tt, peak_t), (tr, peak_t))]
@@ -511,8 +570,16 @@ class Bench:
             nn_worker.close()
         header = ["config", "GFLOP", "NumPy ms", "torch ms", "torch.nn ms", "NumPy/torch", "NumPy/torch.nn",
                   "NumPy GFLOP/s (% mm)", "torch (% mm)", "torch.nn (% mm)"]  # fmt: skip
-        title = "2. Training step (forward + backward + Adam), float32, dropout 0 (torch.nn: torch.nn.Transformer)"
         print_table(title, header, rows)
+        return res
+
+    def train(self) -> None:
+        title = "2. Training step (forward + backward + Adam), float32, dropout 0 (torch.nn: torch.nn.Transformer)"
+        self.res["train"] = self._three_way("train", CONFIGS, train_flops, title)
+
+    def gpt(self) -> None:
+        title = "7. GPT training step (forward + backward + Adam), float32 (torch.nn: nn.TransformerEncoderLayer)"
+        self.res["gpt"] = self._three_way("gpt", GPT_CONFIGS, gpt_train_flops, title)
 
     def forward(self) -> None:
         self.res["forward"], rows = {}, []

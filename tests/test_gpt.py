@@ -402,3 +402,41 @@ def test_lm_eval_loss_is_the_mean_cross_entropy_of_consecutive_windows(lib):
     logits = model(ids[:21].reshape(7, 3))
     expected = float(tn.CrossEntropyLoss()(logits, ids[1:22].reshape(7, 3)))
     assert abs(loss - expected) < 1e-12
+
+
+# -- torch.nn's GPT (the benchmark's reference) -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("positional,activation,tie", [("learned", "gelu", True), ("sinusoidal", "relu", False)])
+def test_torch_gpt_matches_gpt_from_torch_nn_layers(positional, activation, tie):
+    cfg = dict(vocab_size=13, d_model=16, n_heads=4, d_ff=24, n_layers=2, max_len=9)
+    ours = tt.GPT(**cfg, positional=positional, activation=activation, tie_output=tie, rng=2, dtype=torch.float64)
+    with torch.no_grad():  # norms away from (1, 0), so that a missing or misplaced norm shows
+        for name, p in ours.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn(p.shape, dtype=p.dtype, generator=torch.Generator().manual_seed(len(name))))
+    ref = tt.to_torch_nn_gpt(ours)
+    assert isinstance(ref.encoder, torch.nn.TransformerEncoder)
+    assert sum(p.numel() for p in ref.parameters()) == ours.num_parameters()
+    tokens = torch.from_numpy(np.random.default_rng(0).integers(0, 13, (3, 9)))
+    g = torch.randn(3, 9, 13, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    for m in (ours, ref):
+        m.zero_grad(set_to_none=True)
+        m(tokens).backward(g)
+    assert (ours(tokens) - ref(tokens)).abs().max().item() < 1e-12
+    assert ours.embed.weight.grad is not None
+    for ours_name, ref_name in [("embed.weight", "embed.weight"), ("norm.weight", "encoder.norm.weight"),
+                                ("layers.1.ff.linear2.weight", "encoder.layers.1.linear2.weight")]:  # fmt: skip
+        a, b = ours.get_parameter(ours_name).grad, ref.get_parameter(ref_name).grad
+        assert (a - b).abs().max().item() < 1e-12, ours_name
+    qkv = ref.get_parameter("encoder.layers.0.self_attn.in_proj_weight").grad  # (3d, d): q, k, v stacked
+    ours_qkv = torch.cat([ours.get_parameter(f"layers.0.self_attn.{c}_proj.weight").grad for c in "qkv"])
+    assert (qkv - ours_qkv).abs().max().item() < 1e-12
+
+
+@pytest.mark.parametrize("option", [dict(norm="rmsnorm"), dict(positional="rope"), dict(activation="swiglu"),
+                                    dict(n_kv_heads=2)])  # fmt: skip
+def test_gpt_from_torch_nn_layers_refuses_what_they_cannot_build(option):
+    model = tt.GPT(vocab_size=13, d_model=16, n_heads=4, d_ff=24, n_layers=1, max_len=9, **option, rng=0)
+    with pytest.raises(ValueError, match="ReferenceGPT: torch.nn's layers cannot build"):
+        tt.to_torch_nn_gpt(model)

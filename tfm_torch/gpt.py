@@ -20,12 +20,12 @@ from .layers import Dropout, Embedding, LayerNorm, Linear
 from .modern import GroupedQueryAttention, RMSNorm, RotaryEmbedding, SwiGLUFeedForward, swiglu_hidden_size
 from .module import as_generator, check_dtype, check_indices
 from .optim import clip_grad_norm, set_lr
-from .positional import LearnedPositionalEmbedding, PositionalEncoding
+from .positional import LearnedPositionalEmbedding, PositionalEncoding, sinusoidal_positional_encoding
 from .sublayers import PositionwiseFeedForward
 from .train import grad_norm
-from .transformer import xavier_uniform_
+from .transformer import to_reference_state_dict, xavier_uniform_
 
-__all__ = ["GPTBlock", "GPT", "lm_train_step", "lm_eval_loss"]
+__all__ = ["GPTBlock", "GPT", "lm_train_step", "lm_eval_loss", "ReferenceGPT", "to_torch_nn_gpt"]
 
 
 def make_norm(norm: str, d_model: int, dtype) -> nn.Module:
@@ -235,3 +235,62 @@ def lm_eval_loss(model: GPT, ids, block_size: int, batch_size: int = 32) -> tupl
             logp = log_softmax(model(xb))  # (b, T, V)
             total -= logp.gather(-1, yb[..., None]).double().sum().item()
     return total / y.size, y
+
+
+# -- a GPT from torch.nn's own layers: what a user would build, the reference of the benchmark ---------------------
+
+
+class ReferenceGPT(nn.Module):
+    """The 2017-style GPT (LayerNorm, learned or sinusoidal positions, ReLU or GELU, one key/value head per query
+    head) built from torch's layers: nn.Embedding, nn.TransformerEncoder of nn.TransformerEncoderLayer(norm_first=
+    True) with its final nn.LayerNorm, and a causal mask; the output layer tied or not as in `GPT`. Build it with
+    `to_torch_nn_gpt(model)`, which copies the weights. forward(tokens) (B, T) -> logits (B, T, V)."""
+
+    def __init__(self, config: dict, dtype=None):
+        super().__init__()
+        c, dt = check_gpt_config("ReferenceGPT", dict(config)), check_dtype(dtype)
+        unsupported = {k: c[k] for k, ok in _REFERENCE_OK.items() if not ok(c[k])}
+        if c["n_kv_heads"] not in (None, c["n_heads"]):  # torch.nn's attention: one key/value head per query head
+            unsupported["n_kv_heads"] = c["n_kv_heads"]
+        if unsupported:
+            raise ValueError(f"ReferenceGPT: torch.nn's layers cannot build {unsupported} (only LayerNorm, learned "
+                             "or sinusoidal positions, relu/gelu and n_kv_heads = n_heads)")  # fmt: skip
+        self.config, d = c, c["d_model"]
+        layer = nn.TransformerEncoderLayer(d, c["n_heads"], c["d_ff"], c["dropout"], c["activation"],
+                                           batch_first=True, norm_first=True, dtype=dt)  # fmt: skip
+        with torch.random.fork_rng(devices=[]):  # the weights are overwritten: leave the caller's stream alone
+            self.embed = nn.Embedding(c["vocab_size"], d, dtype=dt)
+            if c["positional"] == "learned":
+                self.pos = nn.Embedding(c["max_len"], d, dtype=dt)
+            else:
+                self.register_buffer("pe", sinusoidal_positional_encoding(c["max_len"], d, dt), persistent=False)
+            norm = nn.LayerNorm(d, dtype=dt)
+            self.encoder = nn.TransformerEncoder(layer, c["n_layers"], norm=norm, enable_nested_tensor=False)
+            self.output_projection = nn.Linear(d, c["vocab_size"], bias=False, dtype=dt)
+        if c["tie_output"]:
+            self.output_projection.weight = self.embed.weight
+        self.dropout = nn.Dropout(c["dropout"])
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        T = tokens.shape[1]
+        table = self.pos.weight[:T] if self.config["positional"] == "learned" else self.pe[:T]  # (T, d)
+        x = self.dropout(self.embed(tokens) * math.sqrt(self.config["d_model"]) + table)  # (B, T, d)
+        future = torch.ones(T, T, dtype=torch.bool, device=tokens.device).triu(1)  # True = may NOT attend (torch's)
+        return self.output_projection(self.encoder(x, mask=future, is_causal=True))  # (B, T, V)
+
+
+_REFERENCE_OK = {
+    "norm": lambda v: v == "layernorm",
+    "positional": lambda v: v in ("learned", "sinusoidal"),
+    "activation": lambda v: v in ("relu", "gelu"),
+}
+
+
+def to_torch_nn_gpt(model: GPT) -> ReferenceGPT:
+    """Our torch GPT's weights in a ReferenceGPT (same dtype and mode). Keys: layers.i.* and norm.* go under
+    encoder., the q, k, v projections are stacked into in_proj_weight (3d, d), ff.linear1 -> linear1."""
+    ref = ReferenceGPT(model.config, dtype=model.embed.weight.dtype)
+    state = {(f"encoder.{k}" if k.startswith(("layers.", "norm.")) else k): v for k, v in model.state_dict().items()}
+    mapped = {k.removeprefix("transformer."): v for k, v in to_reference_state_dict(state).items()}
+    ref.load_state_dict(mapped)
+    return ref.train(model.training)
