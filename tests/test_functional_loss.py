@@ -12,7 +12,7 @@ from helpers_tracks import TOL, max_abs_diff, to_torch
 
 import tfm_numpy as tn
 import tfm_torch as tt
-from tfm_numpy.functional import normal_cdf_float32
+from tfm_numpy.functional import normal_cdf_pdf_float32
 
 F64, F32 = np.float64, np.float32
 
@@ -118,16 +118,20 @@ def test_float32_normal_cdf_of_the_gelu_is_accurate_to_float32():
     """The exact GELU's float32 fast path (no table): a few float32 ulps, as accurate as torch's own float32 GELU."""
     x = np.linspace(-13, 8, 200001).astype(F32)
     ref = np.array([0.5 * math.erfc(-v / math.sqrt(2)) for v in x.astype(F64)])
-    got = normal_cdf_float32(x)
-    assert got.dtype == F32
+    got, density = normal_cdf_pdf_float32(x)
+    assert got.dtype == density.dtype == F32
+    density_ref = np.exp(-0.5 * x.astype(F64) ** 2) / math.sqrt(2 * math.pi)
+    assert np.abs(density - density_ref).max() < 2 * np.finfo(F32).eps
     assert np.abs(got - ref).max() < 4 * np.finfo(F32).eps  # absolute, everywhere
     left = (x < 0) & (x > -5)  # the left tail keeps relative accuracy (cancellation-free: no 1 - erf there)
     assert (np.abs(got - ref) / ref)[left].max() < 1e-5
     exact_gelu = x.astype(F64) * ref
     ours, torchs = tn.GELU()(x).astype(F64), torch.nn.functional.gelu(torch.from_numpy(x)).double().numpy()
     assert np.abs(ours - exact_gelu).max() <= 1.5 * np.abs(torchs - exact_gelu).max()
-    special = normal_cdf_float32(np.array([np.inf, -np.inf, np.nan, 1e30, -1e30, 0.0], F32))
+    special = normal_cdf_pdf_float32(np.array([np.inf, -np.inf, np.nan, 1e30, -1e30, 0.0], F32))[0]
     assert list(special[:2]) == [1, 0] and np.isnan(special[2]) and list(special[3:]) == [1, 0, 0.5]
+    strided = x[:, None][::-2]  # not contiguous: the flat views must still write into the result
+    assert np.array_equal(normal_cdf_pdf_float32(strided)[0], normal_cdf_pdf_float32(x[::-2].copy())[0][:, None])
 
 
 # -- cross-entropy -----------------------------------------------------------------------------------------------------

@@ -96,24 +96,25 @@ def erf(x: np.ndarray) -> np.ndarray:
     return np.copysign(acc, x).astype(x.dtype, copy=False)
 
 
-# -- the normal CDF in float32, fast --------------------------------------------------------------------------------
-# The exact GELU needs Phi(x) = erfc(-x / sqrt 2) / 2 on every hidden unit (B T d_ff numbers per layer). `erf` above
-# is accurate to float64 rounding but gathers a 12-term polynomial per element: 60-70 ms for 0.5 M numbers on two
-# cores, most of a GPT training step (benchmarks/bench.py, section 7). For float32 inputs float32 accuracy is enough,
-# and a form without a table does it: with z = |x| / sqrt 2 and t = 2 / (2 + z) in (0, 1],
-#     erfc(z) = exp(-z^2) g(t),   g(t) = erfc(z) exp(z^2) smooth on (0, 1] (g -> t / (2 sqrt pi) as z -> inf),
-# and g is a polynomial of degree 12 in t: Chebyshev interpolation of g at import, from math.erfc, on z in [0, 10]
-# (relative error of g about 1e-8; beyond z = 10, Phi(-|x|) < 1e-44 underflows float32 anyway). Then
-#     Phi(x) = h if x < 0 else 1 - h,  h = Phi(-|x|) = exp(-z^2) g(t) / 2:
-# relative accuracy in the left tail, absolute accuracy (a few float32 ulps) on the right. About 10x faster.
-_CDF_DEGREE, _CDF_ZMAX = 12, 10.0
+# -- the normal CDF and density in float32, fast -------------------------------------------------------------------
+# The exact GELU needs Phi(x) = erfc(-x / sqrt 2) / 2 and phi(x) on every hidden unit (B T d_ff numbers per layer).
+# `erf` above is accurate to float64 rounding but gathers a 12-term polynomial per element: 60-70 ms for 0.5 M
+# numbers on two cores, most of a GPT training step (benchmarks/bench.py, section 7). For float32 inputs float32
+# accuracy is enough, and a form without a table does it: with z = |x| / sqrt 2 and t = 3 / (3 + z) in (0, 1],
+#     erfc(z) = exp(-z^2) g(t),   g(t) = erfc(z) exp(z^2) smooth on (0, 1] (g -> t / (3 sqrt pi) as z -> inf),
+# and g is a polynomial of degree 10 in t: Chebyshev interpolation of g at import, from math.erfc, on z in [0, 10]
+# (relative error of g below 1e-8; beyond z = 10, Phi(-|x|) < 1e-44 underflows float32 anyway). Then
+#     Phi(x) = h if x < 0 else 1 - h,  h = Phi(-|x|) = exp(-z^2) g(t) / 2,   phi(x) = exp(-z^2) / sqrt(2 pi):
+# one exp for both; relative accuracy in the left tail, absolute accuracy (a few float32 ulps) on the right. The
+# work goes in blocks of 32 K numbers, so that the dozen passes of Horner's rule stay in the CPU's cache.
+_CDF_DEGREE, _CDF_K, _CDF_ZMAX, _CDF_BLOCK = 10, 3.0, 10.0, 1 << 15
 
 
 def _erfc_scaled_coefficients() -> np.ndarray:
     """Power-basis coefficients c_k of g(t) = sum_k c_k t^k (see above), float64."""
-    n, t_min = _CDF_DEGREE + 1, 2.0 / (2.0 + _CDF_ZMAX)
+    n, t_min = _CDF_DEGREE + 1, _CDF_K / (_CDF_K + _CDF_ZMAX)
     t = t_min + (1 - t_min) * (np.cos(np.pi * (np.arange(n) + 0.5) / n) + 1) / 2  # Chebyshev nodes on [t_min, 1]
-    g = np.array([math.erfc(z) * math.exp(z * z) for z in 2 / t - 2])
+    g = np.array([math.erfc(z) * math.exp(z * z) for z in _CDF_K / t - _CDF_K])
     fit = np.polynomial.Chebyshev.fit(t, g, _CDF_DEGREE, domain=[t_min, 1])
     return fit.convert(kind=np.polynomial.Polynomial, domain=[t_min, 1], window=[t_min, 1]).coef
 
@@ -121,16 +122,28 @@ def _erfc_scaled_coefficients() -> np.ndarray:
 _CDF_COEF32 = _erfc_scaled_coefficients().astype(np.float32)
 
 
-def normal_cdf_float32(x: np.ndarray) -> np.ndarray:
-    """Phi(x), the standard normal CDF, of a float32 array, in float32 (a few ulps; see the note above)."""
-    # (...); capped at 14, where exp(-z^2) is already 0 in float32: no overflow in z^2, and Phi(-inf) = 0 exactly
+def normal_cdf_pdf_float32(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(Phi(x), phi(x)), the standard normal CDF and density of a float32 array, in float32 (see the note above)."""
+    x = np.ascontiguousarray(x)  # so that the flat views below are views (outputs written through them)
+    cdf, pdf = np.empty(x.shape, x.dtype), np.empty(x.shape, x.dtype)
+    flat = [a.reshape(-1) for a in (x, cdf, pdf)]
+    for i in range(0, x.size, _CDF_BLOCK):
+        _cdf_pdf_block(*(a[i : i + _CDF_BLOCK] for a in flat))
+    return cdf, pdf
+
+
+def _cdf_pdf_block(x: np.ndarray, cdf: np.ndarray, pdf: np.ndarray) -> None:
+    # z capped at 14, where exp(-z^2) is already 0 in float32: no overflow in z^2, and Phi(-inf) = 0 exactly
     z = np.minimum(np.abs(x) * np.float32(1 / math.sqrt(2)), np.float32(14))
-    t = np.float32(2) / (z + np.float32(2))
+    t = np.float32(_CDF_K) / (z + np.float32(_CDF_K))
     h = np.full_like(t, _CDF_COEF32[-1])
     for c in _CDF_COEF32[-2::-1]:  # Horner, in place
         h *= t
         h += c
     z *= z
-    h *= np.exp(-z)
+    np.exp(-z, out=z)  # exp(-x^2 / 2)
+    np.multiply(z, np.float32(1 / math.sqrt(2 * math.pi)), out=pdf)
+    h *= z
     h *= np.float32(0.5)  # h = Phi(-|x|)
-    return np.where(x < 0, h, np.float32(1) - h)
+    np.subtract(np.float32(1), h, out=cdf)
+    np.copyto(cdf, h, where=x < 0)

@@ -12,7 +12,7 @@ import numpy as np
 from tfm_common.validate import check_sizes
 from tfm_common.validate import normalized_shape as normalized_shape_of
 
-from .functional import erf, normal_cdf_float32
+from .functional import erf, normal_cdf_pdf_float32
 from .module import Module, Parameter, as_rng, check_dtype, check_grad, check_indices, check_input, check_probability
 
 __all__ = ["Linear", "Embedding", "ReLU", "GELU", "Dropout", "LayerNorm"]
@@ -149,9 +149,11 @@ class GELU(Module):
     def forward(self, x: np.ndarray) -> np.ndarray:
         check_input("GELU", x)
         if self.approximate == "none":
-            # Phi(x), x's dtype: float32 through a fast form without a table (functional.normal_cdf_float32)
-            cdf = normal_cdf_float32(x) if x.dtype == np.float32 else 0.5 * (1 + erf(x * (1 / math.sqrt(2))))
-            dcdf = np.exp(-0.5 * x * x) * (1 / math.sqrt(2 * math.pi))  # phi(x) = Phi'(x)
+            if x.dtype == np.float32:  # a fast form without a table, to float32 accuracy (see functional.py)
+                cdf, dcdf = normal_cdf_pdf_float32(x)
+            else:  # Phi(x) and phi(x) = Phi'(x), to float64 accuracy
+                cdf = 0.5 * (1 + erf(x * (1 / math.sqrt(2))))
+                dcdf = np.exp(-0.5 * x * x) * (1 / math.sqrt(2 * math.pi))
         else:
             c = math.sqrt(2 / math.pi)
             t = np.tanh(c * (x + 0.044715 * x**3))
