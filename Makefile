@@ -1,6 +1,6 @@
 # Transformer, Twice: every command starts by making sure the pinned environment exists.
 #   make book       build the HTML book into _build/html
-#   make test       lint, unit tests, strict notebook tests, strict book build, browser check
+#   make test       lint, unit tests, strict notebook tests, strict book build, browser check, lab check
 #   make notebooks  re-execute every notebook in place (after changing a chapter or the libraries)
 #   make lab        open the chapters in JupyterLab, with the project's kernel (LAB_PORT=8888, LAB_ARGS=...)
 SHELL := /bin/bash
@@ -13,7 +13,7 @@ export OMP_NUM_THREADS ?= 2
 export PYTHONHASHSEED := 0
 export PYDEVD_DISABLE_FILE_VALIDATION := 1
 
-.PHONY: venv book book-strict test lint unit nbval browser chromium notebooks lab clean
+.PHONY: venv book book-strict test lint unit nbval browser chromium lab-check notebooks lab clean
 
 venv: $(STAMP)
 
@@ -47,7 +47,11 @@ chromium:
 browser: venv chromium
 	$(BIN)/python tools/check_browser.py
 
-test: lint unit nbval book-strict browser
+# `make lab` started as a reader would (free port, token, no browser window), a chapter opened and run in Chromium.
+lab-check: venv chromium
+	$(BIN)/python tools/check_lab.py
+
+test: lint unit nbval book-strict browser lab-check
 
 notebooks: venv
 	$(BIN)/python tools/run_notebooks.py $(NB)
