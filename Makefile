@@ -1,7 +1,8 @@
 # Transformer, Twice: every command starts by making sure the pinned environment exists.
 #   make book       build the HTML book into _build/html
-#   make test       lint, unit tests, strict notebook tests, strict book build, browser check
+#   make test       lint, unit tests, strict notebook tests, strict book build, browser check, lab check
 #   make notebooks  re-execute every notebook in place (after changing a chapter or the libraries)
+#   make lab        open the chapters in JupyterLab, with the project's kernel (LAB_PORT=8888, LAB_ARGS=...)
 SHELL := /bin/bash
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
@@ -12,7 +13,7 @@ export OMP_NUM_THREADS ?= 2
 export PYTHONHASHSEED := 0
 export PYDEVD_DISABLE_FILE_VALIDATION := 1
 
-.PHONY: venv book book-strict test lint unit nbval browser chromium notebooks clean
+.PHONY: venv book book-strict test lint unit nbval browser chromium lab-check notebooks lab clean
 
 venv: $(STAMP)
 
@@ -46,10 +47,28 @@ chromium:
 browser: venv chromium
 	$(BIN)/python tools/check_browser.py
 
-test: lint unit nbval book-strict browser
+# `make lab` started as a reader would (free port, token, no browser window), a chapter opened and run in Chromium.
+lab-check: venv chromium
+	$(BIN)/python tools/check_lab.py
+
+test: lint unit nbval book-strict browser lab-check
 
 notebooks: venv
 	$(BIN)/python tools/run_notebooks.py $(NB)
+
+# JupyterLab on this machine only (127.0.0.1), serving the repository, opened on chapters/. Its python3 kernel is
+# the venv's Python (jupyter_client runs the "python" of a kernel spec as the server's own interpreter, and
+# JUPYTER_PREFER_ENV_PATH puts the venv's kernel specs before a user-wide one), where the editable install makes
+# tfm_numpy, tfm_torch and tfm_common importable; the thread settings exported above reach the kernel.
+# Nothing is fetched from the network: no news feed, no update check, no extension catalog. --allow-root: the
+# book's machines and CI run as root, where the server refuses to start without it.
+LAB_PORT ?= 8888
+LAB_ARGS ?=
+lab: venv
+	JUPYTER_PREFER_ENV_PATH=1 $(BIN)/jupyter lab --ServerApp.ip=127.0.0.1 --ServerApp.port=$(LAB_PORT) \
+		--ServerApp.root_dir="$(CURDIR)" --ServerApp.default_url=/lab/tree/chapters \
+		--LabApp.news_url=None --LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate \
+		--LabApp.extension_manager=readonly --allow-root $(LAB_ARGS)
 
 clean:
 	rm -rf _build

@@ -3,8 +3,12 @@
 For the front page and every chapter page (from file://, with no server):
   - the math is typeset: MathJax output elements are present and no raw `\\(` or `$$` is left;
   - every image has loaded (complete, with a natural width);
-  - no request leaves the build folder (no CDN, no fonts, no analytics).
-One screenshot per page is saved under _build/screenshots/. Exits non-zero on any failure.
+  - no request leaves the build folder (no CDN, no fonts, no analytics);
+  - every link (href, src) of the page as rendered, scripts' additions included, stays inside the build folder
+    and resolves (file and #anchor), or is an intentional external link of tools/external_links.txt.
+Before the browser, every link of every built page (genindex and search too) is checked the same way, from the
+HTML files (tools/check_links.py). One screenshot per page is saved under _build/screenshots/.
+Exits non-zero on any failure.
 """
 
 import json
@@ -12,6 +16,7 @@ import sys
 from pathlib import Path
 
 import yaml
+from check_links import LinkChecker, built_pages
 from playwright.sync_api import sync_playwright
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,6 +42,7 @@ PAGE_STATE = """async () => {
     typeset: document.querySelectorAll('mjx-container').length,
     raw_math: (main.innerText.match(/\\\\\\(|\\\\\\[|\\$\\$/g) || []).length,
     images: imgs,
+    links: [...document.querySelectorAll('[href], [src]')].map(e => e.getAttribute('href') ?? e.getAttribute('src')),
   };
 }"""
 
@@ -48,7 +54,7 @@ def pages() -> list[tuple[str, Path]]:
     return [(f, HTML / f"{f}.html") for f in files]
 
 
-def check_page(browser, name: str, path: Path) -> list[str]:
+def check_page(browser, name: str, path: Path, links: LinkChecker) -> list[str]:
     problems, outside = [], []
     page = browser.new_page(viewport={"width": 1280, "height": 900})
     base = HTML.as_uri()
@@ -71,7 +77,9 @@ def check_page(browser, name: str, path: Path) -> list[str]:
         problems.append(f"{state['raw_math']} raw math delimiter(s) left in the text")
     problems += [f"image did not load: {img['src']}" for img in state["images"] if not img["ok"]]
     problems += [f"request outside the build folder: {url}" for url in outside]
+    problems += links.check(path, state["links"])
     summary = {"typeset": state["typeset"], "images": len(state["images"]), "outside": len(outside)}
+    summary["links"] = len(set(state["links"]))
     print(f"{'FAIL' if problems else 'ok  '} {name}: {json.dumps(summary)}")
     return problems
 
@@ -80,7 +88,13 @@ def main() -> int:
     if not (HTML / "index.html").is_file():
         print(f"no built book at {HTML}: run `make book` first")
         return 1
+    links = LinkChecker()
     failures = 0
+    for page, problems in links.check_built_pages().items():
+        for problem in problems:
+            print(f"FAIL {page.relative_to(HTML)}: {problem}")
+            failures += 1
+    print(f"links of the built files: {len(built_pages())} pages read, {links.checked} links checked")
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=ARGS)
         for name, path in pages():
@@ -88,10 +102,13 @@ def main() -> int:
                 print(f"FAIL {name}: {path} was not built")
                 failures += 1
                 continue
-            for problem in check_page(browser, name, path):
+            for problem in check_page(browser, name, path, links):
                 print(f"     - {problem}")
                 failures += 1
         browser.close()
+    for problem in links.unused():
+        print(f"FAIL {problem}")
+        failures += 1
     print(f"browser check: {len(pages())} pages, {failures} problem(s); screenshots in {SHOTS.relative_to(ROOT)}")
     return 1 if failures else 0
 
