@@ -141,7 +141,7 @@ def architecture_figure() -> Figure:
     text = "output_projection\nLinear(d_model, V_tgt), no bias"
     out = _box(ax, xd, d_top + 0.55, 3.0, 0.56, text, "embed", fontsize=8)
     _arrow(ax, (xd, d_top), (xd, out["bottom"]))
-    _label(ax, xd + 0.08, d_top + 0.3, "(B, T, d_model)")
+    _label(ax, xd + 0.08, d_top + 0.13, "(B, T, d_model)")
     _label(ax, out["right"] + 0.1, out["top"] - 0.28, "weight tied to\ntgt_embed.weight\n(tie_output=True)", fontsize=7)
     logits = _box(ax, xd, out["top"] + 0.55, 3.0, 0.42, "logits (B, T, V_tgt)", "io", fontsize=8)
     _arrow(ax, (xd, out["top"]), (xd, logits["bottom"]))
