@@ -5,11 +5,13 @@ both `load_checkpoint`s read it. It is a plain `numpy.savez` archive, read with 
 loading it can never run code:
 
     model/<state_dict key>     one array per entry of the model's state_dict (a tied weight under each name)
-    optim/exp_avg/<i>          Adam's first moment of parameter i (in the optimizer's parameter order)
+    optim/exp_avg/<i>          Adam's (or AdamW's) first moment of parameter i (in the optimizer's parameter order)
     optim/exp_avg_sq/<i>       Adam's second moment of parameter i
     __meta__                   a 0-d unicode array holding JSON: format, version, the writing track, the library
                                version, the model's class, constructor configuration and dtype (`describe_model`),
-                               the optimizer's scalars (step, lr, betas, eps, weight_decay) and the user's `extra`
+                               the optimizer's type ("Adam" or "AdamW": weight_decay means a different update in
+                               each, so one never loads into the other) and scalars (step, lr, betas, eps,
+                               weight_decay), and the user's `extra`
 
 Version 2 (this one) records the model's configuration, and loading refuses a model built differently
 (`check_model_config`): a tied weight is stored under each of its names, so keys and shapes alone cannot tell a
@@ -46,6 +48,7 @@ __all__ = [
     "check_model_config",
     "check_ties",
     "check_optim_meta",
+    "check_optim_type",
     "META_KEY",
     "normalize_extra",
     "check_state",
@@ -60,6 +63,7 @@ VERSION = 2
 READABLE_VERSIONS = (1, 2)
 META_KEY = "__meta__"
 OPTIM_SCALARS = ("step", "lr", "betas", "eps", "weight_decay")
+OPTIM_TYPES = ("Adam", "AdamW")
 DTYPES = ("float32", "float64")
 
 
@@ -185,7 +189,8 @@ def write_npz(
     path, model_state: dict, optim_state: dict | None, extra, track: str, name: str, model_meta: dict | None = None
 ) -> Path:
     """Write the format above. model_state: {key: array}; optim_state: None or an Adam state in the NumPy
-    track's form {"step", "lr", "betas", "eps", "weight_decay", "exp_avg": [arrays], "exp_avg_sq": [arrays]};
+    track's form {"step", "lr", "betas", "eps", "weight_decay", "exp_avg": [arrays], "exp_avg_sq": [arrays]} and
+    an optional "type" (OPTIM_TYPES, "Adam" if absent);
     model_meta: `describe_model(model, dtype)`."""
     extra = normalize_extra(extra, name)
     arrays = {f"model/{k}": np.asarray(v) for k, v in model_state.items()}
@@ -195,7 +200,8 @@ def write_npz(
         m, v = optim_state["exp_avg"], optim_state["exp_avg_sq"]
         if len(m) != len(v):
             raise ValueError(f"{name}: optimizer state has {len(m)} exp_avg but {len(v)} exp_avg_sq arrays")
-        meta["optim"] = {k: optim_state[k] for k in OPTIM_SCALARS} | {"type": "Adam", "n_params": len(m)}
+        kind = optim_state.get("type", "Adam")
+        meta["optim"] = {k: optim_state[k] for k in OPTIM_SCALARS} | {"type": kind, "n_params": len(m)}
         meta["optim"]["betas"] = list(meta["optim"]["betas"])
         arrays |= {f"optim/exp_avg/{i}": np.asarray(a) for i, a in enumerate(m)}
         arrays |= {f"optim/exp_avg_sq/{i}": np.asarray(a) for i, a in enumerate(v)}
@@ -239,9 +245,11 @@ def read_npz(path, name: str) -> NpzContents:
     optim = None
     if meta.get("optim") is not None:
         n = check_optim_meta(meta["optim"], _count_optim(arrays), f"{name}: {path!r}")
-        optim = {k: meta["optim"][k] for k in OPTIM_SCALARS} | {
-            part: [arrays[f"optim/{part}/{i}"] for i in range(n)] for part in ("exp_avg", "exp_avg_sq")
-        }
+        optim = (
+            {k: meta["optim"][k] for k in OPTIM_SCALARS}
+            | {"type": meta["optim"].get("type", "Adam")}
+            | {part: [arrays[f"optim/{part}/{i}"] for i in range(n)] for part in ("exp_avg", "exp_avg_sq")}
+        )
     known = {f"model/{k}" for k in model}
     if optim is not None:
         known |= {f"optim/{part}/{i}" for part in ("exp_avg", "exp_avg_sq") for i in range(len(optim["exp_avg"]))}
@@ -311,6 +319,13 @@ def _real(x, low: float, high: float | None = None, high_open: bool = False) -> 
     return high is None or (x < high if high_open else x <= high)
 
 
+def check_optim_type(stored: str, own: str, path, name: str) -> None:
+    """Refuse to load one optimizer's state into the other: Adam's weight_decay is an L2 penalty, AdamW's a
+    decoupled shrinking, so the same number would mean another update."""
+    if stored != own:
+        raise ValueError(f"{name}: {os.fspath(path)!r} holds {stored} state, the optimizer is {own}")
+
+
 def check_optim_meta(o, present: dict[str, int], where: str) -> int:
     """Validate Adam's recorded scalars and parameter count against the arrays actually in the file, before any
     list or array is built from them (a crafted n_params = 10**10 must not allocate). Returns n_params."""
@@ -335,6 +350,7 @@ def check_optim_meta(o, present: dict[str, int], where: str) -> int:
         and all(_real(b, 0.0, 1.0, high_open=True) for b in betas),
         "eps (a finite float > 0)": _real(o["eps"], 0.0) and o["eps"] > 0,
         "weight_decay (a finite float >= 0)": _real(o["weight_decay"], 0.0),
+        f"type (one of {OPTIM_TYPES})": o.get("type", "Adam") in OPTIM_TYPES,
     }  # fmt: skip
     bad = [what for what, ok in checks.items() if not ok]
     if bad:

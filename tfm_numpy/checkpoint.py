@@ -20,6 +20,7 @@ import numpy as np
 from tfm_common.npz_checkpoint import (
     NpzContents,
     check_model_config,
+    check_optim_type,
     check_state,
     check_ties,
     describe_model,
@@ -39,8 +40,10 @@ def save_checkpoint(path, model: Module, optimizer: Adam | None = None, extra: d
     if not isinstance(model, Module):
         raise TypeError(f"save_checkpoint: model expected a tfm_numpy Module, got {type(model).__name__}")
     if optimizer is not None and not isinstance(optimizer, Adam):
-        raise TypeError(f"save_checkpoint: optimizer expected a tfm_numpy Adam or None, got {type(optimizer).__name__}")
-    optim = optimizer.state_dict() if optimizer is not None else None
+        raise TypeError(
+            f"save_checkpoint: optimizer expected a tfm_numpy Adam, AdamW or None, got {type(optimizer).__name__}"
+        )
+    optim = optimizer.state_dict() | {"type": _optim_type(optimizer)} if optimizer is not None else None
     meta = describe_model(model, str(model.param_dtype))
     return write_npz(path, model.state_dict(), optim, extra, track="numpy", name="save_checkpoint", model_meta=meta)
 
@@ -59,7 +62,7 @@ def load_checkpoint(path, model: Module, optimizer: Adam | None = None) -> dict:
     if not isinstance(model, Module):
         raise TypeError(f"{name}: model expected a tfm_numpy Module, got {type(model).__name__}")
     if optimizer is not None and not isinstance(optimizer, Adam):
-        raise TypeError(f"{name}: optimizer expected a tfm_numpy Adam or None, got {type(optimizer).__name__}")
+        raise TypeError(f"{name}: optimizer expected a tfm_numpy Adam, AdamW or None, got {type(optimizer).__name__}")
     return _load_into(read_npz(path, name), model, optimizer, path, name)
 
 
@@ -92,6 +95,10 @@ def build_model(meta: dict | None, dtype, path, name: str) -> Module:
         raise ValueError(f"{name}: cannot build {meta['class']} from the configuration in {str(path)!r}: {e}") from e
 
 
+def _optim_type(optimizer: Adam) -> str:
+    return "AdamW" if optimizer.decoupled else "Adam"
+
+
 def tied_groups(model: Module) -> list[list[str]]:
     """The state_dict names of each parameter that appears under more than one name (a tied weight)."""
     names: dict[int, list[str]] = {}
@@ -112,6 +119,8 @@ def _load_into(contents: NpzContents, model: Module, optimizer: Adam | None, pat
     if optimizer is not None:
         if optim is None:
             raise KeyError(f"{name}: {str(path)!r} holds no optimizer state (saved without an optimizer)")
+        optim = dict(optim)
+        check_optim_type(optim.pop("type"), _optim_type(optimizer), path, name)
         optimizer.load_state_dict(optim)  # checks its own shapes and count before changing anything
     model.load_state_dict(state)  # keys and shapes were checked above: this cannot fail half-way
     return extra

@@ -9,6 +9,13 @@ Adam (Kingma & Ba, 2015), as `torch.optim.Adam` computes it, for each parameter 
 
 The two factors 1 / (1 - beta^t) correct the bias of m and v towards their zero start ("bias correction").
 The defaults are the paper's (Vaswani et al., 2017, section 5.3): betas = (0.9, 0.98), eps = 1e-9.
+
+AdamW (Loshchilov & Hutter, 2019), as `torch.optim.AdamW` computes it, decouples the weight decay from the
+gradient: no penalty is added to g (so it never enters m and v, nor is it divided by sqrt(v)); instead, before
+the Adam update above,
+
+    p   <- p * (1 - lr * weight_decay)                (shrink every weight by the same fraction)
+
 Everything is updated in place and in the parameters' dtype (float32 stays float32).
 """
 
@@ -25,7 +32,7 @@ from tfm_common.validate import check_real_arg as _check_real
 
 from .module import Module, Parameter
 
-__all__ = ["Adam", "make_adam", "set_lr", "noam_lr", "clip_grad_norm"]
+__all__ = ["Adam", "AdamW", "make_adam", "make_adamw", "set_lr", "noam_lr", "clip_grad_norm"]
 
 
 def _param_list(params, name: str) -> list[Parameter]:
@@ -51,11 +58,14 @@ class Adam:
     the step count, the hyperparameters and the moments `exp_avg` (m) and `exp_avg_sq` (v), named as torch does.
     """
 
+    decoupled = False  # weight decay as an L2 penalty in the gradient (AdamW sets True)
+
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.98), eps: float = 1e-9, weight_decay: float = 0.0):
-        self.params = _param_list(params, "Adam")
+        name = type(self).__name__
+        self.params = _param_list(params, name)
         if not self.params:
-            raise ValueError("Adam: params is empty: nothing to optimize")
-        self.lr, self.betas, self.eps, self.weight_decay = _check_hyper("Adam", lr, betas, eps, weight_decay)
+            raise ValueError(f"{name}: params is empty: nothing to optimize")
+        self.lr, self.betas, self.eps, self.weight_decay = _check_hyper(name, lr, betas, eps, weight_decay)
         self.step_count = 0
         self.exp_avg = [np.zeros_like(p.data) for p in self.params]
         self.exp_avg_sq = [np.zeros_like(p.data) for p in self.params]
@@ -67,7 +77,7 @@ class Adam:
 
     @lr.setter
     def lr(self, value: float) -> None:
-        self._lr = _check_real("Adam", "lr", value, 0.0)
+        self._lr = _check_real(type(self).__name__, "lr", value, 0.0)
 
     def zero_grad(self) -> None:
         for p in self.params:
@@ -78,21 +88,22 @@ class Adam:
         idiom for "no gradient", e.g. a frozen weight) is skipped, as torch skips it: its value and moments stay.
         The step count t is the optimizer's, shared by all parameters (torch counts per parameter; the two agree
         unless a parameter's gradient is None at some steps and not at others)."""
+        name = type(self).__name__
         for i, p in enumerate(self.params):  # check every parameter before changing any
             if p.grad is None:
                 continue
             if not isinstance(p.grad, np.ndarray):
                 raise TypeError(
-                    f"Adam.step: params[{i}].grad expected a numpy.ndarray or None, got {type(p.grad).__name__}"
+                    f"{name}.step: params[{i}].grad expected a numpy.ndarray or None, got {type(p.grad).__name__}"
                 )
             if p.grad.shape != p.data.shape or p.grad.dtype != p.data.dtype:
                 raise ValueError(
-                    f"Adam.step: params[{i}] has data {p.data.shape} {p.data.dtype} but grad {p.grad.shape} "
+                    f"{name}.step: params[{i}] has data {p.data.shape} {p.data.dtype} but grad {p.grad.shape} "
                     f"{p.grad.dtype} (was the model converted after the optimizer was made?)"
                 )
             if self.exp_avg[i].dtype != p.data.dtype:
                 raise ValueError(
-                    f"Adam.step: params[{i}] is {p.data.dtype} but its moments are {self.exp_avg[i].dtype}: "
+                    f"{name}.step: params[{i}] is {p.data.dtype} but its moments are {self.exp_avg[i].dtype}: "
                     "make the optimizer after converting the model (astype/double/float)"
                 )
         self.step_count += 1
@@ -104,8 +115,10 @@ class Adam:
             g = p.grad
             if g is None:
                 continue
-            if self.weight_decay != 0:
-                g = g + self.weight_decay * p.data
+            if self.weight_decay != 0 and self.decoupled:
+                p.data *= 1 - self.lr * self.weight_decay  # AdamW: shrink the weight, leave the gradient alone
+            elif self.weight_decay != 0:
+                g = g + self.weight_decay * p.data  # Adam: an L2 penalty, which then goes through m and v
             # The same formulas, written with out= and in-place operators into one scratch array `tmp`: no new
             # arrays per step (for a large model each would be as big as the parameter). Python floats keep float32.
             tmp = self._scratch(p.data)
@@ -143,25 +156,24 @@ class Adam:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a `state_dict()` (hyperparameters included, as torch does); all checked before any change."""
+        name = f"{type(self).__name__}.load_state_dict"
         keys = {"step", "lr", "betas", "eps", "weight_decay", "exp_avg", "exp_avg_sq"}
         if not isinstance(state, dict) or set(state) != keys:
             got = sorted(state) if isinstance(state, dict) else type(state).__name__
-            raise KeyError(f"Adam.load_state_dict: expected keys {sorted(keys)}, got {got}")
+            raise KeyError(f"{name}: expected keys {sorted(keys)}, got {got}")
         step = state["step"]
         if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
-            raise ValueError(f"Adam.load_state_dict: step expected an int >= 0, got {step!r}")
+            raise ValueError(f"{name}: step expected an int >= 0, got {step!r}")
         moments = {}
         for part in ("exp_avg", "exp_avg_sq"):
             arrays = [np.asarray(a) for a in state[part]]
             if len(arrays) != len(self.params):
-                raise ValueError(
-                    f"Adam.load_state_dict: {part}: {len(arrays)} arrays, the optimizer has {len(self.params)} params"
-                )
+                raise ValueError(f"{name}: {part}: {len(arrays)} arrays, the optimizer has {len(self.params)} params")
             for i, (a, p) in enumerate(zip(arrays, self.params, strict=True)):
                 if a.shape != p.data.shape:
-                    raise ValueError(f"Adam.load_state_dict: {part}[{i}] expected shape {p.data.shape}, got {a.shape}")
+                    raise ValueError(f"{name}: {part}[{i}] expected shape {p.data.shape}, got {a.shape}")
             moments[part] = arrays
-        hyper = _check_hyper("Adam.load_state_dict", state["lr"], state["betas"], state["eps"], state["weight_decay"])
+        hyper = _check_hyper(name, state["lr"], state["betas"], state["eps"], state["weight_decay"])
         self.lr, self.betas, self.eps, self.weight_decay = hyper
         self.step_count = int(step)
         self.exp_avg = [a.astype(p.data.dtype, copy=True) for a, p in zip(moments["exp_avg"], self.params, strict=True)]
@@ -171,9 +183,23 @@ class Adam:
 
     def __repr__(self) -> str:
         return (
-            f"Adam(lr={self.lr:g}, betas={self.betas}, eps={self.eps:g}, weight_decay={self.weight_decay:g}, "
-            f"params={len(self.params)}, step_count={self.step_count})"
+            f"{type(self).__name__}(lr={self.lr:g}, betas={self.betas}, eps={self.eps:g}, "
+            f"weight_decay={self.weight_decay:g}, params={len(self.params)}, step_count={self.step_count})"
         )
+
+
+class AdamW(Adam):
+    """AdamW (Loshchilov & Hutter, 2019) over a list of Parameters, matching `torch.optim.AdamW` step for step.
+
+    The same constructor, attributes and `state_dict()` as `Adam`; only the weight decay differs: each step first
+    multiplies every weight by (1 - lr * weight_decay), and the gradient Adam normalizes is the loss's alone.
+    The default weight_decay is torch's, 0.01 (with 0, AdamW is Adam). The other defaults are the paper's, as Adam.
+    """
+
+    decoupled = True
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.98), eps: float = 1e-9, weight_decay: float = 0.01):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
 
 
 def _lerp_(start: np.ndarray, end: np.ndarray, weight: float, tmp: np.ndarray) -> None:
@@ -191,6 +217,11 @@ def _lerp_(start: np.ndarray, end: np.ndarray, weight: float, tmp: np.ndarray) -
 def make_adam(model: Module, lr: float = 1e-3, betas=(0.9, 0.98), eps: float = 1e-9, weight_decay: float = 0.0):
     """`Adam(model.parameters(), ...)`: the same call in both tracks."""
     return Adam(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+
+def make_adamw(model: Module, lr: float = 1e-3, betas=(0.9, 0.98), eps: float = 1e-9, weight_decay: float = 0.01):
+    """`AdamW(model.parameters(), ...)`: the same call in both tracks."""
+    return AdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
 
 
 def set_lr(optimizer: Adam, lr: float) -> None:

@@ -9,9 +9,10 @@
   content decides, not its suffix. The design keeps every conversion on the torch side: the NumPy track
   never imports torch and never unpickles.
 
-Optimizer state crosses tracks too, for `Adam` with one param group (our `Adam` or `torch.optim.Adam`,
-amsgrad off): the moments are matched by position in the optimizer's parameter list, which is the model's
-`parameters()` order when the optimizer comes from `make_adam` in either track.
+Optimizer state crosses tracks too, for `Adam` or `AdamW` with one param group (ours or torch.optim's, amsgrad
+off; the file says which of the two, and one never loads into the other): the moments are matched by position
+in the optimizer's parameter list, which is the model's `parameters()` order when the optimizer comes from
+`make_adam` / `make_adamw` in either track.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from tfm_common.npz_checkpoint import (
     atomic_write,
     check_meta_fields,
     check_model_config,
+    check_optim_type,
     check_state,
     check_ties,
     describe_model,
@@ -152,7 +154,7 @@ def _load_into(contents: tuple, model: nn.Module, optimizer, path, name: str) ->
     if optimizer is not None:
         if optim is None:
             raise KeyError(f"{name}: {os.fspath(path)!r} holds no optimizer state (saved without an optimizer)")
-        optim_sd = _adam_from_numpy(optimizer, optim, name) if kind == "npz" else optim
+        optim_sd = _adam_from_numpy(optimizer, optim, path, name) if kind == "npz" else optim
         _check_optim_state(optimizer, optim_sd, name)
     if optim_sd is not None:
         optimizer.load_state_dict(optim_sd)
@@ -228,12 +230,18 @@ def _check_optim_state(optimizer: torch.optim.Optimizer, sd, name: str) -> None:
 
 
 def _check_adam(optimizer, name: str) -> list:
-    if not isinstance(optimizer, torch.optim.Adam) or len(optimizer.param_groups) != 1:
-        raise TypeError(f"{name}: only Adam with one param group converts to the NumPy track's optimizer state")
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) or len(optimizer.param_groups) != 1:
+        raise TypeError(f"{name}: only Adam with one param group (or AdamW) converts to the NumPy track's optimizer")
     group = optimizer.param_groups[0]
-    if group.get("amsgrad") or group.get("maximize") or group.get("decoupled_weight_decay"):
-        raise ValueError(f"{name}: Adam with amsgrad, maximize or decoupled weight decay has no NumPy twin")
+    if group.get("amsgrad") or group.get("maximize"):
+        raise ValueError(f"{name}: Adam with amsgrad or maximize has no NumPy twin")
     return group["params"]
+
+
+def _optim_type(optimizer) -> str:
+    """ "AdamW" for decoupled weight decay (torch.optim.AdamW, or Adam(decoupled_weight_decay=True)), else "Adam"."""
+    decoupled = isinstance(optimizer, torch.optim.AdamW) or optimizer.param_groups[0].get("decoupled_weight_decay")
+    return "AdamW" if decoupled else "Adam"
 
 
 def _adam_to_numpy(optimizer, name: str) -> dict:
@@ -258,12 +266,14 @@ def _adam_to_numpy(optimizer, name: str) -> dict:
         "weight_decay": float(group["weight_decay"]),
         "exp_avg": [moment(p, "exp_avg") for p in params],
         "exp_avg_sq": [moment(p, "exp_avg_sq") for p in params],
+        "type": _optim_type(optimizer),
     }
 
 
-def _adam_from_numpy(optimizer, optim: dict, name: str) -> dict:
+def _adam_from_numpy(optimizer, optim: dict, path, name: str) -> dict:
     """The NumPy track's Adam state as a torch `Adam.state_dict()` for `optimizer` (shapes checked later)."""
     params = _check_adam(optimizer, name)
+    check_optim_type(optim["type"], _optim_type(optimizer), path, name)
     n = len(optim["exp_avg"])
     if n != len(params):
         raise ValueError(f"{name}: the checkpoint's optimizer has {n} parameters, this optimizer {len(params)}")

@@ -4,7 +4,10 @@
   section 5.3) and, as the NumPy `Adam`, an `lr` you can set between steps and a `step_count`.
 - `noam_lr`: the warm-up schedule, the very same pure-Python function as in the NumPy track.
 - `clip_grad_norm`: `torch.nn.utils.clip_grad_norm_`, returning a Python float as the NumPy track does.
-- `make_adam(model, ...)`, `set_lr(optimizer, lr)`: so that a training loop reads the same in both tracks.
+- `AdamW`: `torch.optim.AdamW` (decoupled weight decay, Loshchilov & Hutter, 2019) with the same constructor and
+  the same `lr` / `step_count` as our `Adam`; weight_decay defaults to torch's 0.01.
+- `make_adam(model, ...)`, `make_adamw(model, ...)`, `set_lr(optimizer, lr)`: so that a training loop reads the
+  same in both tracks.
 
 torch's own scheduler `LambdaLR` multiplies a base lr and calls its function with 0 first; with `noam_lr`
 (which counts steps from 1) set lr=1.0 and use `LambdaLR(opt, lambda s: noam_lr(s + 1, d_model, warmup))`.
@@ -21,23 +24,17 @@ from torch import nn
 
 from tfm_common.validate import check_adam_args
 
-__all__ = ["Adam", "make_adam", "set_lr", "noam_lr", "clip_grad_norm"]
+__all__ = ["Adam", "AdamW", "make_adam", "make_adamw", "set_lr", "noam_lr", "clip_grad_norm"]
 
 
-class Adam(torch.optim.Adam):
-    """`torch.optim.Adam` with the paper's defaults; `opt.lr = x` sets the lr of every param group."""
-
-    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.98), eps: float = 1e-9, weight_decay: float = 0.0):
-        if isinstance(params, nn.Module):
-            params = params.parameters()
-        lr, betas, eps, weight_decay = check_adam_args("Adam", lr, betas, eps, weight_decay)  # as tfm_numpy.Adam
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+class _LrAndSteps:
+    """`opt.lr` (get: the one lr of every param group; set: all of them) and `opt.step_count`, as tfm_numpy's."""
 
     @property
     def lr(self) -> float:
         lrs = {float(g["lr"]) for g in self.param_groups}
         if len(lrs) != 1:
-            raise ValueError(f"Adam.lr: the param groups have different learning rates {sorted(lrs)}")
+            raise ValueError(f"{type(self).__name__}.lr: the param groups have different learning rates {sorted(lrs)}")
         return lrs.pop()
 
     @lr.setter
@@ -52,9 +49,35 @@ class Adam(torch.optim.Adam):
         return max(steps, default=0)
 
 
+class Adam(_LrAndSteps, torch.optim.Adam):
+    """`torch.optim.Adam` with the paper's defaults; `opt.lr = x` sets the lr of every param group."""
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.98), eps: float = 1e-9, weight_decay: float = 0.0):
+        if isinstance(params, nn.Module):
+            params = params.parameters()
+        lr, betas, eps, weight_decay = check_adam_args("Adam", lr, betas, eps, weight_decay)  # as tfm_numpy.Adam
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+
+class AdamW(_LrAndSteps, torch.optim.AdamW):
+    """`torch.optim.AdamW` with the paper's betas and eps and torch's weight_decay=0.01; the same `lr` and
+    `step_count` as `Adam`."""
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.98), eps: float = 1e-9, weight_decay: float = 0.01):
+        if isinstance(params, nn.Module):
+            params = params.parameters()
+        lr, betas, eps, weight_decay = check_adam_args("AdamW", lr, betas, eps, weight_decay)  # as tfm_numpy.AdamW
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+
 def make_adam(model: nn.Module, lr: float = 1e-3, betas=(0.9, 0.98), eps: float = 1e-9, weight_decay: float = 0.0):
     """`Adam(model.parameters(), ...)`: the same call in both tracks."""
     return Adam(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+
+def make_adamw(model: nn.Module, lr: float = 1e-3, betas=(0.9, 0.98), eps: float = 1e-9, weight_decay: float = 0.01):
+    """`AdamW(model.parameters(), ...)`: the same call in both tracks."""
+    return AdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
