@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 from helpers_tracks import max_abs_diff
-from test_optim import grads_for, make_params
+from test_optim import grads_for, make_params, run_both
 
 import tfm_numpy as tn
 import tfm_torch as tt
@@ -17,20 +17,8 @@ from tfm_numpy.module import Parameter
 
 def run_adamw(n_steps, lr_fn, weight_decay, betas=(0.9, 0.98), eps=1e-9, dtype=np.float64, reference=None):
     """The same parameters and gradients through tfm_numpy.AdamW and `reference` (plain torch.optim.AdamW)."""
-    np_params = make_params(dtype)
-    t_params = [torch.nn.Parameter(torch.from_numpy(p.data.copy())) for p in np_params]
-    opt_np = tn.AdamW(np_params, lr=lr_fn(1), betas=betas, eps=eps, weight_decay=weight_decay)
     ref = torch.optim.AdamW if reference is None else reference
-    opt_t = ref(t_params, lr=lr_fn(1), betas=betas, eps=eps, weight_decay=weight_decay)
-    for step in range(1, n_steps + 1):
-        opt_np.lr = lr_fn(step)
-        tt.set_lr(opt_t, lr_fn(step))
-        for p, tp, g in zip(np_params, t_params, grads_for(step, dtype), strict=True):
-            p.grad[...] = g
-            tp.grad = torch.from_numpy(g.copy())
-        opt_np.step()
-        opt_t.step()
-    return np_params, t_params, opt_np, opt_t
+    return run_both(n_steps, lr_fn, betas, eps, weight_decay, dtype, ours=tn.AdamW, ref=ref)
 
 
 @pytest.mark.parametrize(

@@ -28,12 +28,14 @@ def grads_for(step: int, dtype=np.float64):
     return [(g.standard_normal(s) * 10.0 ** g.integers(-3, 2)).astype(dtype) for s in SHAPES]
 
 
-def run_both(n_steps, lr_fn, betas=(0.9, 0.98), eps=1e-9, weight_decay=0.0, dtype=np.float64):
-    """The same parameters and gradients through tfm_numpy.Adam and torch.optim.Adam (plain, not our subclass)."""
+def run_both(n_steps, lr_fn, betas=(0.9, 0.98), eps=1e-9, weight_decay=0.0, dtype=np.float64, *, ours=None, ref=None):
+    """The same parameters and gradients through one of our optimizers (`ours`, default tfm_numpy.Adam) and torch's
+    (`ref`, default plain torch.optim.Adam, not our subclass), step by step."""
+    ours, ref = ours or tn.Adam, ref or torch.optim.Adam
     np_params = make_params(dtype)
     t_params = [torch.nn.Parameter(torch.from_numpy(p.data.copy())) for p in np_params]
-    opt_np = tn.Adam(np_params, lr=lr_fn(1), betas=betas, eps=eps, weight_decay=weight_decay)
-    opt_t = torch.optim.Adam(t_params, lr=lr_fn(1), betas=betas, eps=eps, weight_decay=weight_decay)
+    opt_np = ours(np_params, lr=lr_fn(1), betas=betas, eps=eps, weight_decay=weight_decay)
+    opt_t = ref(t_params, lr=lr_fn(1), betas=betas, eps=eps, weight_decay=weight_decay)
     for step in range(1, n_steps + 1):
         opt_np.lr = lr_fn(step)
         for group in opt_t.param_groups:
