@@ -241,3 +241,19 @@ def test_bad_attention_options_refused_alike():
         assert a == b and a.startswith(f"{cls}: score_scale must be one of")
     a = _message(lambda: tn.make_attention("split", D, H), ValueError)
     assert a == _message(lambda: tt.make_attention("split", D, H), ValueError)
+
+
+# -- checkpoints carry the options ----------------------------------------------------------------------------
+
+
+def test_checkpoint_round_trip_keeps_the_options(tmp_path):
+    """A NumPy model with options, saved; load_model rebuilds it in both tracks; a default model is refused."""
+    model = np_model(head_projection="shared", embed_scale="logits", embed_norm=True).eval()
+    path = tn.save_checkpoint(tmp_path / "pitfalls.npz", model)
+    back = tn.load_model(path, dtype=np.float64).eval()
+    assert back.config == model.config and np.array_equal(back(SRC, TGT_IN), model(SRC, TGT_IN))
+    twin = tt.load_model(path, dtype=torch.float64).eval()
+    with torch.no_grad():
+        assert max_abs_diff(twin(T(SRC), T(TGT_IN)), model(SRC, TGT_IN)) < TRACK_TOL
+    with pytest.raises(ValueError, match="configured differently"):
+        tn.load_checkpoint(path, np_model())
