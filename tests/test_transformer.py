@@ -101,7 +101,8 @@ def model_grad_check(model: tn.Transformer, h: float = 1e-5, seed: int = 0, drop
     model.backward(loss_fn.backward())
     analytic = {name: g.copy() for name, g in model.grads().items()}
     scale = max(np.abs(g).max() for g in analytic.values())
-    encoder_side = {id(p) for m in (model.src_embed, model.src_pos, model.encoder) for p in m.parameters()}
+    src_side = (model.src_embed, model.src_pos, getattr(model, "src_embed_norm", None), model.encoder)
+    encoder_side = {id(p) for m in src_side if m is not None for p in m.parameters()}
 
     rng = np.random.default_rng(seed)
     errors = {}

@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from tfm_common.pitfalls import HEAD_PROJECTIONS, SCORE_SCALES
 from tfm_common.validate import check_choice, check_size, check_sizes
 
 from .decoding import cache_append
@@ -31,7 +32,11 @@ __all__ = [
     "causal_mask",
     "decoder_mask",
     "MultiHeadAttention",
+    "SharedHeadProjectionAttention",
+    "make_attention",
     "ATTENTION",
+    "SCORE_SCALES",
+    "HEAD_PROJECTIONS",
     "use_attention",
 ]
 
@@ -215,6 +220,10 @@ class MultiHeadAttention(Module):
     rounding, no (Tq, Tk) array kept: `attn_weights` stays None). It has no dropout on the attention weights, so
     training with dropout > 0 is refused (eval mode, or dropout=0, is fine).
 
+    score_scale="d_model" divides the scores by sqrt(d_model) instead of sqrt(dk), a pitfall of chapter 16a: the
+    queries are multiplied by sqrt(dk / d_model) = 1/sqrt(H) after the split, so the softmax runs at a temperature
+    sqrt(H) times too low. The default "d_k" is the paper's (and changes nothing).
+
     backward(grad_out) returns (d_query, d_key, d_value). When one tensor fed several inputs, add its
     gradients: self-attention `dx = sum(mha.backward(g))`, cross-attention `d_memory = d_key + d_value`.
     """
@@ -228,22 +237,48 @@ class MultiHeadAttention(Module):
         *,
         attention: str = "explicit",
         block_size: int = 64,
+        score_scale: str = "d_k",
         rng=None,
         dtype=np.float32,
     ):
         super().__init__()
-        d_model, n_heads = check_sizes("MultiHeadAttention", d_model=d_model, n_heads=n_heads).values()
+        owner = type(self).__name__
+        d_model, n_heads = check_sizes(owner, d_model=d_model, n_heads=n_heads).values()
         if d_model % n_heads != 0:
-            raise ValueError(f"MultiHeadAttention: d_model={d_model} must be divisible by n_heads={n_heads}")
+            raise ValueError(f"{owner}: d_model={d_model} must be divisible by n_heads={n_heads}")
         self.d_model, self.n_heads, self.d_head = d_model, n_heads, d_model // n_heads
-        self.attention, self.block_size = check_attention("MultiHeadAttention", attention, block_size)
+        self.attention, self.block_size = check_attention(owner, attention, block_size)
+        self.score_scale = check_choice(owner, "score_scale", score_scale, SCORE_SCALES)
+        # 1/sqrt(H) on the queries turns the 1/sqrt(dk) of the attention into 1/sqrt(d_model); None: the paper's
+        self._q_scale = None if score_scale == "d_k" else 1.0 / math.sqrt(n_heads)
         dt, g = check_dtype(dtype), as_rng(rng)
-        self.q_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
-        self.k_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
-        self.v_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
+        self._make_projections(d_model, bias, g, dt)
         self.out_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
         self.dropout = Dropout(dropout, rng=g)  # on the attention weights, in training only
         self.attn_weights: np.ndarray | None = None
+
+    def _make_projections(self, d_model: int, bias: bool, g, dt) -> None:
+        """The query, key and value projections: each (d_model -> d_model), every head its own d_k columns."""
+        self.q_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
+        self.k_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
+        self.v_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
+
+    def _heads(self, proj: Linear, x: np.ndarray) -> np.ndarray:
+        """(B, T, d) -> projected and split into heads (B, H, T, dk): project, then split."""
+        return self._split(proj(x))
+
+    def _heads_backward(self, proj: Linear, grad: np.ndarray) -> np.ndarray:
+        """Backward of `_heads`: (B, H, T, dk) -> (B, T, d)."""
+        return proj.backward(self._merge(grad))
+
+    def _queries(self, query: np.ndarray) -> np.ndarray:
+        """The queries' heads (B, H, Tq, dk), times 1/sqrt(H) for score_scale="d_model"."""
+        q = self._heads(self.q_proj, query)
+        return q if self._q_scale is None else q * q.dtype.type(self._q_scale)
+
+    def _queries_backward(self, dq: np.ndarray) -> np.ndarray:
+        dq = dq if self._q_scale is None else dq * dq.dtype.type(self._q_scale)
+        return self._heads_backward(self.q_proj, dq)
 
     def _split(self, x: np.ndarray) -> np.ndarray:
         """(B, T, d) -> (B, H, T, dk). The transpose matters: a bare reshape to (B, H, T, dk) mixes positions."""
@@ -270,9 +305,9 @@ class MultiHeadAttention(Module):
 
     def forward(self, query: np.ndarray, key: np.ndarray, value: np.ndarray, mask: np.ndarray | None = None):
         self._check(query, key, value)
-        q = self._split(self.q_proj(query))  # (B, H, Tq, dk)
-        k = self._split(self.k_proj(key))  # (B, H, Tk, dk)
-        v = self._split(self.v_proj(value))  # (B, H, Tk, dk)
+        q = self._queries(query)  # (B, H, Tq, dk)
+        k = self._heads(self.k_proj, key)  # (B, H, Tk, dk)
+        v = self._heads(self.v_proj, value)  # (B, H, Tk, dk)
         if self.attention == "flash":  # tiled (chapter 15b): no (Tq, Tk) array
             return self._forward_flash(q, k, v, mask, query.shape)
         p = attention_weights(q, k, mask)  # (B, H, Tq, Tk)
@@ -293,8 +328,8 @@ class MultiHeadAttention(Module):
         check_grad("MultiHeadAttention", grad_out, out_shape, q.dtype)
         d_ctx = self._split(self.out_proj.backward(grad_out))  # (B, H, Tq, dk)
         dq, dk, dv = flash_attention_backward(d_ctx, q, k, v, ctx, lse, mask, block_size=self.block_size)
-        d_query = self.q_proj.backward(self._merge(dq))  # (B, Tq, d)
-        return d_query, self.k_proj.backward(self._merge(dk)), self.v_proj.backward(self._merge(dv))
+        d_query = self._queries_backward(dq)  # (B, Tq, d)
+        return d_query, self._heads_backward(self.k_proj, dk), self._heads_backward(self.v_proj, dv)
 
     def _flash(self, q, k, v, mask):
         if self.training and self.dropout.p > 0:
@@ -317,14 +352,14 @@ class MultiHeadAttention(Module):
         self._check(query, key, value)
         self._cache = None  # nothing for a backward: one after this step is an error, not a wrong gradient
         if not (static and "k" in cache):
-            k = self._split(self.k_proj(key))  # (B, H, Tn, dk), or (B, H, S, dk) for the memory
-            v = self._split(self.v_proj(value))
+            k = self._heads(self.k_proj, key)  # (B, H, Tn, dk), or (B, H, S, dk) for the memory
+            v = self._heads(self.v_proj, value)
             if static:  # cross-attention: the memory's keys and values, once
                 cache["k"], cache["v"] = k, v
             else:  # self-attention: the new positions written after the earlier ones, in place (no copy of those)
                 cache_append(cache, "k", k, axis=2)
                 cache_append(cache, "v", v, axis=2)
-        q = self._split(self.q_proj(query))  # (B, H, Tn, dk)
+        q = self._queries(query)  # (B, H, Tn, dk)
         if self.attention == "flash":
             return self.out_proj(self._merge(self._flash(q, cache["k"], cache["v"], mask)[0]))
         p = attention_weights(q, cache["k"], mask)  # (B, H, Tn, T)
@@ -339,14 +374,44 @@ class MultiHeadAttention(Module):
         dv = np.swapaxes(p_drop, -1, -2) @ d_ctx  # (B, H, Tk, dk)
         dp = self.dropout.backward(d_ctx @ np.swapaxes(v, -1, -2))  # (B, H, Tq, Tk), through the dropout mask
         dq, dk = attention_weights_backward(dp, q, k, p)  # (B, H, Tq, dk), (B, H, Tk, dk)
-        d_query = self.q_proj.backward(self._merge(dq))  # (B, Tq, d)
-        d_key = self.k_proj.backward(self._merge(dk))  # (B, Tk, d)
-        d_value = self.v_proj.backward(self._merge(dv))  # (B, Tk, d)
+        d_query = self._queries_backward(dq)  # (B, Tq, d)
+        d_key = self._heads_backward(self.k_proj, dk)  # (B, Tk, d)
+        d_value = self._heads_backward(self.v_proj, dv)  # (B, Tk, d)
         return d_query, d_key, d_value
 
     def extra_repr(self) -> str:
         flash = f", attention='flash', block_size={self.block_size}" if self.attention == "flash" else ""
-        return f"d_model={self.d_model}, n_heads={self.n_heads}{flash}"
+        scale = ", score_scale='d_model'" if self.score_scale == "d_model" else ""
+        return f"d_model={self.d_model}, n_heads={self.n_heads}{flash}{scale}"
+
+
+class SharedHeadProjectionAttention(MultiHeadAttention):
+    """A pitfall of chapter 16a: split into heads FIRST, then project every head with one shared (dk, dk) matrix.
+
+    The input's d_model features are cut into H slices of dk; head h sees only slice h, and all heads use the
+    same q_proj, k_proj, v_proj of shape (dk, dk) (H^2 times fewer weights than the (d_model, d_model) ones).
+    A head can neither mix features from other slices nor differ from the others except through its input
+    slice. out_proj stays (d_model, d_model). Same arguments, same state_dict names, smaller shapes.
+    """
+
+    def _make_projections(self, d_model: int, bias: bool, g, dt) -> None:
+        dk = self.d_head
+        self.q_proj = Linear(dk, dk, bias, rng=g, dtype=dt)  # one (dk, dk) for every head
+        self.k_proj = Linear(dk, dk, bias, rng=g, dtype=dt)
+        self.v_proj = Linear(dk, dk, bias, rng=g, dtype=dt)
+
+    def _heads(self, proj: Linear, x: np.ndarray) -> np.ndarray:
+        return proj(self._split(x))  # split (B, H, T, dk), then the shared projection on the last axis
+
+    def _heads_backward(self, proj: Linear, grad: np.ndarray) -> np.ndarray:
+        return self._merge(proj.backward(grad))  # the shared weight's gradient sums over the heads
+
+
+def make_attention(head_projection: str, d_model: int, n_heads: int, dropout: float = 0.0, **kwargs):
+    """MultiHeadAttention (head_projection="full") or SharedHeadProjectionAttention ("shared")."""
+    head_projection = check_choice("make_attention", "head_projection", head_projection, HEAD_PROJECTIONS)
+    cls = MultiHeadAttention if head_projection == "full" else SharedHeadProjectionAttention
+    return cls(d_model, n_heads, dropout, **kwargs)
 
 
 def check_attention(owner: str, attention, block_size) -> tuple[str, int]:

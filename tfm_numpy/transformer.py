@@ -14,12 +14,13 @@ import math
 
 import numpy as np
 
+from tfm_common.pitfalls import LAYER_PITFALLS, MODEL_PITFALLS, check_model_pitfalls
 from tfm_common.validate import check_decode_cache
 
-from .attention import check_attention, decoder_mask, padding_mask, use_attention
+from .attention import causal_mask, check_attention, decoder_mask, padding_mask, use_attention
 from .decoding import cache_append
 from .encoder_decoder import Decoder, Encoder, _check_bool, _check_positive
-from .layers import Dropout, Embedding, Linear
+from .layers import Dropout, Embedding, LayerNorm, Linear
 from .module import (
     Module,
     Parameter,
@@ -65,6 +66,14 @@ class Transformer(Module):
       attention         "explicit" (the weights formed, inspectable) or "flash" (tiled, `flash_attention`, in
                         blocks of `block_size`): the same model to rounding; see `MultiHeadAttention`. Not part of
                         the configuration (no weight depends on it); `use_attention(model, ...)` switches it later.
+    Options that reproduce choices of popular code, measured in chapter 16a (keyword-only; the defaults are the
+    paper's, change nothing, and are left out of `config`; see tfm_common.pitfalls):
+      score_scale, head_projection, dropout_place, ff_dropout   passed to every layer (see `encoder_decoder`)
+      embed_scale       "embedding": embeddings N(0, 1/d_model) times sqrt(d_model) (the paper); "logits": the same
+                        embeddings unscaled, the logits times d_model^-0.5 instead; "none": N(0, 1) embeddings, no
+                        scale anywhere (torch.nn.Embedding's default)
+      embed_norm        one more LayerNorm (`src_embed_norm`, `tgt_embed_norm`) after dropout(embedding + positions)
+      tgt_padding_mask  False: the decoder's self-attention mask is causal only (padded target keys stay visible)
     A tied matrix is one Parameter object used in two (or three) places: each use adds its gradient into the
     same `.grad`, so the tied weight gets the sum of all uses, with no extra code.
 
@@ -106,10 +115,20 @@ class Transformer(Module):
         *,
         attention: str = "explicit",
         block_size: int = 64,
+        score_scale: str = "d_k",
+        head_projection: str = "full",
+        dropout_place: str = "sublayer",
+        ff_dropout: bool = True,
+        embed_scale: str = "embedding",
+        embed_norm: bool = False,
+        tgt_padding_mask: bool = True,
         rng=None,
         dtype=np.float32,
     ):
         super().__init__()
+        pitfalls = dict(score_scale=score_scale, head_projection=head_projection, dropout_place=dropout_place,
+                        ff_dropout=ff_dropout, embed_scale=embed_scale, embed_norm=embed_norm,
+                        tgt_padding_mask=tgt_padding_mask)  # fmt: skip
         self.config = _check_config(
             "Transformer",
             dict(
@@ -130,7 +149,14 @@ class Transformer(Module):
                 final_norm=final_norm,
             ),
         )
+        # the pitfall options (chapter 16a) join the configuration only where they differ from the paper's
+        self.config.update(check_model_pitfalls("Transformer", self.config["norm_first"], pitfalls))
         c = self.config  # the checked arguments, sizes as Python ints (JSON-able: checkpoints record them)
+        opts = {**MODEL_PITFALLS, **c}
+        layer_opts = {k: opts[k] for k in LAYER_PITFALLS if opts[k] != LAYER_PITFALLS[k]}
+        embed_scale, self.tgt_padding_mask = opts["embed_scale"], opts["tgt_padding_mask"]
+        self._in_scale = math.sqrt(c["d_model"]) if embed_scale == "embedding" else None  # times the embeddings
+        self._out_scale = c["d_model"] ** -0.5 if embed_scale == "logits" else None  # times the logits
         d_model, n_heads, d_ff, n_layers, max_len, pad_id = (c[k] for k in ("d_model", "n_heads", "d_ff", "n_layers",
                                                                             "max_len", "pad_id"))  # fmt: skip
         src_vocab_size, tgt_vocab_size = c["src_vocab_size"], c["tgt_vocab_size"]
@@ -143,15 +169,18 @@ class Transformer(Module):
         self.src_embed = Embedding(src_vocab_size, d_model, padding_idx=pad_id, rng=g, dtype=dt)
         self.tgt_embed = Embedding(tgt_vocab_size, d_model, padding_idx=pad_id, rng=g, dtype=dt)
         for emb in (self.src_embed, self.tgt_embed):
-            emb.weight.data *= dt.type(d_model**-0.5)  # N(0, 1) -> N(0, 1/d_model); the padding row stays 0
+            if embed_scale != "none":  # "none" keeps N(0, 1), torch.nn.Embedding's default
+                emb.weight.data *= dt.type(d_model**-0.5)  # N(0, 1) -> N(0, 1/d_model); the padding row stays 0
         if share_embeddings:
             self.tgt_embed.weight = self.src_embed.weight  # one Parameter, two lookups
         self.src_pos = self._make_positional(positional, g, dt)
         self.tgt_pos = self._make_positional(positional, g, dt)
         self.src_dropout = Dropout(dropout, rng=g)
         self.tgt_dropout = Dropout(dropout, rng=g)
-        self.encoder = Encoder(*stack, rng=g, dtype=dt)
-        self.decoder = Decoder(*stack, rng=g, dtype=dt)
+        self.src_embed_norm = LayerNorm(d_model, dtype=dt) if opts["embed_norm"] else None  # after the dropout
+        self.tgt_embed_norm = LayerNorm(d_model, dtype=dt) if opts["embed_norm"] else None
+        self.encoder = Encoder(*stack, rng=g, dtype=dt, **layer_opts)
+        self.decoder = Decoder(*stack, rng=g, dtype=dt, **layer_opts)
         self.output_projection = Linear(d_model, tgt_vocab_size, bias=False, rng=g, dtype=dt)  # (V, d)
         if tie_output:
             self.output_projection.weight = self.tgt_embed.weight  # (V, d) both: logits = y @ E^T
@@ -172,7 +201,7 @@ class Transformer(Module):
         """src (B, S) ids -> (memory (B, S, d), src_mask (B, 1, 1, S), True at real tokens)."""
         self._check_tokens("src", src, self.src_vocab_size)
         src_mask = padding_mask(src, self.pad_id)  # (B, 1, 1, S)
-        x = self._embed(src, self.src_embed, self.src_pos, self.src_dropout)  # (B, S, d)
+        x = self._embed(src, self.src_embed, self.src_pos, self.src_dropout, self.src_embed_norm)  # (B, S, d)
         return self.encoder(x, src_mask), src_mask
 
     def decode(self, tgt_in: np.ndarray, memory: np.ndarray, src_mask: np.ndarray) -> np.ndarray:
@@ -186,10 +215,10 @@ class Transformer(Module):
                 f"Transformer.decode: memory expected shape (B={tgt_in.shape[0]}, S, {self.d_model}), "
                 f"got {memory.shape}"
             )
-        tgt_mask = decoder_mask(tgt_in, self.pad_id)  # (B, 1, T, T): causal and not padding
-        y = self._embed(tgt_in, self.tgt_embed, self.tgt_pos, self.tgt_dropout)  # (B, T, d)
+        tgt_mask = self._tgt_mask(tgt_in)  # (B, 1, T, T): causal and not padding
+        y = self._embed(tgt_in, self.tgt_embed, self.tgt_pos, self.tgt_dropout, self.tgt_embed_norm)  # (B, T, d)
         y = self.decoder(y, memory, tgt_mask, src_mask)  # (B, T, d)
-        logits = self.output_projection(y)  # (B, T, V)
+        logits = self._logits(y)  # (B, T, V)
         self._cache = (logits.shape, logits.dtype)
         return logits
 
@@ -217,14 +246,15 @@ class Transformer(Module):
                              f"{self.d_model}), got {memory.shape}")  # fmt: skip
         cap = min(cache.setdefault("capacity", self.max_len), self.max_len)  # positions to make room for, once
         keep = cache_append(cache, "keep", padding_mask(tgt_new, self.pad_id), axis=3)  # (B, 1, 1, T), in place
-        tgt_mask = keep & np.tri(Tn, t0 + Tn, t0, dtype=bool)  # (B, 1, Tn, T): new i sees 0 .. t0 + i
-        y = self._embed(tgt_new, self.tgt_embed, self.tgt_pos, self.tgt_dropout, offset=t0)  # (B, Tn, d)
+        causal = np.tri(Tn, t0 + Tn, t0, dtype=bool)  # (Tn, T): new i sees 0 .. t0 + i
+        tgt_mask = keep & causal if self.tgt_padding_mask else causal[None, None]  # (B, 1, Tn, T)
+        y = self._embed(tgt_new, self.tgt_embed, self.tgt_pos, self.tgt_dropout, self.tgt_embed_norm, t0)  # (B, Tn, d)
         room = {"capacity": cap, "preallocate": cache.get("preallocate", True)}
         layers = cache.setdefault("layers", [{"self_attn": dict(room)} for _ in self.decoder.layers])
         y = self.decoder.forward_step(y, memory, layers, tgt_mask, src_mask)  # (B, Tn, d)
         cache["length"] = t0 + Tn
         self._cache = None  # inference only: a backward after this is an error
-        return self.output_projection(y)  # (B, Tn, V)
+        return self._logits(y)  # (B, Tn, V)
 
     def forward(self, src: np.ndarray, tgt_in: np.ndarray) -> np.ndarray:
         memory, src_mask = self.encode(src)
@@ -234,28 +264,43 @@ class Transformer(Module):
     def decode_backward(self, grad_logits: np.ndarray) -> np.ndarray:
         """Backward of the last `decode`: fills the decoder side's gradients, returns dL/dmemory (B, S, d)."""
         check_grad("Transformer", grad_logits, *self._saved())
+        if self._out_scale is not None:
+            grad_logits = grad_logits * grad_logits.dtype.type(self._out_scale)
         dy = self.output_projection.backward(grad_logits)  # (B, T, d); adds into the tied weight's grad
         dy, d_memory = self.decoder.backward(dy)
-        self._embed_backward(dy, self.tgt_embed, self.tgt_pos, self.tgt_dropout)
+        self._embed_backward(dy, self.tgt_embed, self.tgt_pos, self.tgt_dropout, self.tgt_embed_norm)
         return d_memory
 
     def encode_backward(self, grad_memory: np.ndarray) -> None:
         """Backward of the last `encode`, from dL/dmemory (B, S, d)."""
         dx = self.encoder.backward(grad_memory)
-        self._embed_backward(dx, self.src_embed, self.src_pos, self.src_dropout)
+        self._embed_backward(dx, self.src_embed, self.src_pos, self.src_dropout, self.src_embed_norm)
 
     def backward(self, grad_logits: np.ndarray) -> None:
         """After `forward`: add dL/dparam into every parameter's grad. Token ids have no gradient: returns None."""
         self.encode_backward(self.decode_backward(grad_logits))
 
     # -- embeddings ---------------------------------------------------------------------------------------------
-    def _embed(self, tokens: np.ndarray, embed: Embedding, pos: Module, drop: Dropout, offset: int = 0) -> np.ndarray:
-        x = embed(tokens) * math.sqrt(self.d_model)  # (B, T, d); the python float keeps float32 float32
-        return drop(pos(x, offset))  # + positions, then dropout (section 5.4: "to the sums of the embeddings and ...")
+    def _embed(self, tokens: np.ndarray, embed: Embedding, pos: Module, drop: Dropout, norm, offset: int = 0):
+        x = embed(tokens)  # (B, T, d)
+        if self._in_scale is not None:
+            x = x * self._in_scale  # times sqrt(d_model); the python float keeps float32 float32
+        x = drop(pos(x, offset))  # + positions, then dropout (section 5.4: "to the sums of the embeddings and ...")
+        return x if norm is None else norm(x)  # embed_norm=True: one more LayerNorm before the first layer
 
-    def _embed_backward(self, grad_out: np.ndarray, embed: Embedding, pos: Module, drop: Dropout) -> None:
+    def _embed_backward(self, grad_out: np.ndarray, embed: Embedding, pos: Module, drop: Dropout, norm) -> None:
+        if norm is not None:
+            grad_out = norm.backward(grad_out)
         dx = pos.backward(drop.backward(grad_out))
-        embed.backward(dx * math.sqrt(self.d_model))
+        embed.backward(dx if self._in_scale is None else dx * self._in_scale)
+
+    def _logits(self, y: np.ndarray) -> np.ndarray:
+        logits = self.output_projection(y)  # (B, T, V)
+        return logits if self._out_scale is None else logits * logits.dtype.type(self._out_scale)
+
+    def _tgt_mask(self, tgt_in: np.ndarray) -> np.ndarray:
+        """Causal and not padding (B, 1, T, T); causal only (1, 1, T, T) with tgt_padding_mask=False."""
+        return decoder_mask(tgt_in, self.pad_id) if self.tgt_padding_mask else causal_mask(tgt_in.shape[1])
 
     # -- checks and inspection ----------------------------------------------------------------------------------
     def _check_tokens(self, arg: str, tokens, vocab_size: int) -> None:

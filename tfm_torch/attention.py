@@ -12,6 +12,7 @@ import math
 import torch
 from torch import nn
 
+from tfm_common.pitfalls import HEAD_PROJECTIONS, SCORE_SCALES
 from tfm_common.validate import check_choice, check_size, check_sizes
 
 from .decoding import cache_append
@@ -26,7 +27,11 @@ __all__ = [
     "causal_mask",
     "decoder_mask",
     "MultiHeadAttention",
+    "SharedHeadProjectionAttention",
+    "make_attention",
     "ATTENTION",
+    "SCORE_SCALES",
+    "HEAD_PROJECTIONS",
     "use_attention",
 ]
 
@@ -146,7 +151,8 @@ class MultiHeadAttention(nn.Module):
     forward(query (B, Tq, d), key (B, Tk, d), value (B, Tk, d), mask) -> (B, Tq, d); `attn_weights` keeps
     the last softmax weights (B, H, Tq, Tk), detached, before dropout. attention="flash" computes the heads with
     `flash_attention` in tiles of `block_size` (its hand-written backward; `attn_weights` stays None; no dropout
-    on the weights, so training with dropout > 0 is refused), as in tfm_numpy.
+    on the weights, so training with dropout > 0 is refused), as in tfm_numpy. score_scale="d_model" divides the
+    scores by sqrt(d_model) instead of sqrt(dk) (the queries times 1/sqrt(H)), as in tfm_numpy.
     """
 
     def __init__(
@@ -158,22 +164,37 @@ class MultiHeadAttention(nn.Module):
         *,
         attention: str = "explicit",
         block_size: int = 64,
+        score_scale: str = "d_k",
         rng=None,
         dtype=None,
     ):
         super().__init__()
-        d_model, n_heads = check_sizes("MultiHeadAttention", d_model=d_model, n_heads=n_heads).values()
+        owner = type(self).__name__
+        d_model, n_heads = check_sizes(owner, d_model=d_model, n_heads=n_heads).values()
         if d_model % n_heads != 0:
-            raise ValueError(f"MultiHeadAttention: d_model={d_model} must be divisible by n_heads={n_heads}")
+            raise ValueError(f"{owner}: d_model={d_model} must be divisible by n_heads={n_heads}")
         self.d_model, self.n_heads, self.d_head = d_model, n_heads, d_model // n_heads
-        self.attention, self.block_size = check_attention("MultiHeadAttention", attention, block_size)
+        self.attention, self.block_size = check_attention(owner, attention, block_size)
+        self.score_scale = check_choice(owner, "score_scale", score_scale, SCORE_SCALES)
+        self._q_scale = None if score_scale == "d_k" else 1.0 / math.sqrt(n_heads)
         dt, g = check_dtype(dtype), as_generator(rng)
-        self.q_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
-        self.k_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
-        self.v_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
+        self._make_projections(d_model, bias, g, dt)
         self.out_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
         self.dropout = Dropout(dropout, rng=g)  # on the attention weights, in training only
         self.attn_weights: torch.Tensor | None = None
+
+    def _make_projections(self, d_model: int, bias: bool, g, dt) -> None:
+        self.q_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
+        self.k_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
+        self.v_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
+
+    def _heads(self, proj: Linear, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, d) -> (B, H, T, dk): project, then split."""
+        return self._split(proj(x))
+
+    def _queries(self, query: torch.Tensor) -> torch.Tensor:
+        q = self._heads(self.q_proj, query)  # (B, H, Tq, dk)
+        return q if self._q_scale is None else q * self._q_scale
 
     def _split(self, x: torch.Tensor) -> torch.Tensor:
         """(B, T, d) -> (B, H, T, dk)."""
@@ -200,9 +221,9 @@ class MultiHeadAttention(nn.Module):
 
     def forward(self, query, key, value, mask=None) -> torch.Tensor:
         self._check(query, key, value)
-        q = self._split(self.q_proj(query))  # (B, H, Tq, dk)
-        k = self._split(self.k_proj(key))  # (B, H, Tk, dk)
-        v = self._split(self.v_proj(value))  # (B, H, Tk, dk)
+        q = self._queries(query)  # (B, H, Tq, dk)
+        k = self._heads(self.k_proj, key)  # (B, H, Tk, dk)
+        v = self._heads(self.v_proj, value)  # (B, H, Tk, dk)
         if self.attention == "flash":
             self.attn_weights = None
             return self.out_proj(self._merge(self._flash(q, k, v, mask)))
@@ -218,14 +239,14 @@ class MultiHeadAttention(nn.Module):
         projects the memory on the first call only."""
         self._check(query, key, value)
         if not (static and "k" in cache):
-            k = self._split(self.k_proj(key))  # (B, H, Tn, dk), or (B, H, S, dk) for the memory
-            v = self._split(self.v_proj(value))
+            k = self._heads(self.k_proj, key)  # (B, H, Tn, dk), or (B, H, S, dk) for the memory
+            v = self._heads(self.v_proj, value)
             if static:  # cross-attention: the memory's keys and values, once
                 cache["k"], cache["v"] = k, v
             else:  # self-attention: the new positions written after the earlier ones, in place (no copy of those)
                 cache_append(cache, "k", k, axis=2)
                 cache_append(cache, "v", v, axis=2)
-        q = self._split(self.q_proj(query))  # (B, H, Tn, dk)
+        q = self._queries(query)  # (B, H, Tn, dk)
         if self.attention == "flash":
             return self.out_proj(self._merge(self._flash(q, cache["k"], cache["v"], mask)))
         p = attention_weights(q, cache["k"], mask)  # (B, H, Tn, T)
@@ -241,7 +262,28 @@ class MultiHeadAttention(nn.Module):
 
     def extra_repr(self) -> str:
         flash = f", attention='flash', block_size={self.block_size}" if self.attention == "flash" else ""
-        return f"d_model={self.d_model}, n_heads={self.n_heads}{flash}"
+        scale = ", score_scale='d_model'" if self.score_scale == "d_model" else ""
+        return f"d_model={self.d_model}, n_heads={self.n_heads}{flash}{scale}"
+
+
+class SharedHeadProjectionAttention(MultiHeadAttention):
+    """Split into heads first, then one shared (dk, dk) projection for every head (twin of tfm_numpy's)."""
+
+    def _make_projections(self, d_model: int, bias: bool, g, dt) -> None:
+        dk = self.d_head
+        self.q_proj = Linear(dk, dk, bias, rng=g, dtype=dt)
+        self.k_proj = Linear(dk, dk, bias, rng=g, dtype=dt)
+        self.v_proj = Linear(dk, dk, bias, rng=g, dtype=dt)
+
+    def _heads(self, proj: Linear, x: torch.Tensor) -> torch.Tensor:
+        return proj(self._split(x))  # (B, H, T, dk), the shared projection on the last axis
+
+
+def make_attention(head_projection: str, d_model: int, n_heads: int, dropout: float = 0.0, **kwargs):
+    """MultiHeadAttention (head_projection="full") or SharedHeadProjectionAttention ("shared")."""
+    head_projection = check_choice("make_attention", "head_projection", head_projection, HEAD_PROJECTIONS)
+    cls = MultiHeadAttention if head_projection == "full" else SharedHeadProjectionAttention
+    return cls(d_model, n_heads, dropout, **kwargs)
 
 
 def check_attention(owner: str, attention, block_size) -> tuple[str, int]:

@@ -10,14 +10,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tfm_common.validate import check_flag, check_sizes
+from tfm_common.pitfalls import DROPOUT_PLACES
+from tfm_common.validate import check_choice, check_flag, check_sizes
 
-from .attention import MultiHeadAttention
+from .attention import make_attention
 from .layers import Dropout, LayerNorm
 from .module import as_generator, check_dtype, check_input
 from .sublayers import PositionwiseFeedForward, check_activation
 
-__all__ = ["EncoderLayer", "DecoderLayer", "Encoder", "Decoder"]
+__all__ = ["DROPOUT_PLACES", "EncoderLayer", "DecoderLayer", "Encoder", "Decoder"]
 
 
 def _check_bool(owner: str, arg: str, value) -> bool:
@@ -41,7 +42,29 @@ class _Counted(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
-class EncoderLayer(_Counted):
+def _check_options(owner: str, norm_first: bool, dropout_place, ff_dropout) -> tuple[str, bool]:
+    """The layer's pitfall options (as tfm_numpy's): residual dropout place, FFN hidden dropout."""
+    dropout_place = check_choice(owner, "dropout_place", dropout_place, DROPOUT_PLACES)
+    if norm_first and dropout_place == "after_norm":
+        raise ValueError(f"{owner}: dropout_place='after_norm' needs Post-LN (norm_first=False), got norm_first=True")
+    return dropout_place, check_flag(owner, "ff_dropout", ff_dropout)
+
+
+class _Residual(_Counted):
+    """Where a layer's residual dropout goes: on the sublayer's output (`_sub`) or after the LayerNorm (`_post`)."""
+
+    def _sub(self, drop: Dropout, y: torch.Tensor) -> torch.Tensor:
+        return drop(y) if self.dropout_place == "sublayer" else y
+
+    def _post(self, drop: Dropout, y: torch.Tensor) -> torch.Tensor:
+        return drop(y) if self.dropout_place == "after_norm" else y
+
+    def _options_repr(self) -> str:
+        opts = {"dropout_place": (self.dropout_place, "sublayer"), "ff_dropout": (self.ff_dropout, True)}
+        return "".join(f", {k}={v!r}" for k, (v, default) in opts.items() if v != default)
+
+
+class EncoderLayer(_Residual):
     """Self-attention, then feed-forward, each in a residual connection with a LayerNorm (twin of tfm_numpy's)."""
 
     def __init__(
@@ -53,6 +76,10 @@ class EncoderLayer(_Counted):
         activation: str = "relu",
         norm_first: bool = False,
         *,
+        score_scale: str = "d_k",
+        head_projection: str = "full",
+        dropout_place: str = "sublayer",
+        ff_dropout: bool = True,
         rng=None,
         dtype=None,
     ):
@@ -60,9 +87,12 @@ class EncoderLayer(_Counted):
         _check_positive("EncoderLayer", d_model=d_model, n_heads=n_heads, d_ff=d_ff)
         check_activation("EncoderLayer", activation)
         self.norm_first = _check_bool("EncoderLayer", "norm_first", norm_first)
+        self.dropout_place, self.ff_dropout = _check_options("EncoderLayer", norm_first, dropout_place, ff_dropout)
         dt, g = check_dtype(dtype), as_generator(rng)
-        self.self_attn = MultiHeadAttention(d_model, n_heads, dropout, rng=g, dtype=dt)
-        self.ff = PositionwiseFeedForward(d_model, d_ff, dropout, activation, rng=g, dtype=dt)
+        attn = dict(score_scale=score_scale, rng=g, dtype=dt)
+        self.self_attn = make_attention(head_projection, d_model, n_heads, dropout, **attn)
+        ff = dict(hidden_dropout=ff_dropout, rng=g, dtype=dt)
+        self.ff = PositionwiseFeedForward(d_model, d_ff, dropout, activation, **ff)
         self.norm1 = LayerNorm(d_model, dtype=dt)
         self.norm2 = LayerNorm(d_model, dtype=dt)
         self.dropout1 = Dropout(dropout, rng=g)
@@ -74,21 +104,21 @@ class EncoderLayer(_Counted):
             x = x + self._sa_block(self.norm1(x), src_mask)
             x = x + self._ff_block(self.norm2(x))
         else:
-            x = self.norm1(x + self._sa_block(x, src_mask))
-            x = self.norm2(x + self._ff_block(x))
+            x = self._post(self.dropout1, self.norm1(x + self._sa_block(x, src_mask)))
+            x = self._post(self.dropout2, self.norm2(x + self._ff_block(x)))
         return x  # (B, S, d)
 
     def _sa_block(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        return self.dropout1(self.self_attn(x, x, x, mask))
+        return self._sub(self.dropout1, self.self_attn(x, x, x, mask))
 
     def _ff_block(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout2(self.ff(x))
+        return self._sub(self.dropout2, self.ff(x))
 
     def extra_repr(self) -> str:
-        return f"norm_first={self.norm_first}"
+        return f"norm_first={self.norm_first}{self._options_repr()}"
 
 
-class DecoderLayer(_Counted):
+class DecoderLayer(_Residual):
     """Masked self-attention, cross-attention to `memory`, feed-forward; each in a residual connection with a
     LayerNorm (twin of tfm_numpy's)."""
 
@@ -101,6 +131,10 @@ class DecoderLayer(_Counted):
         activation: str = "relu",
         norm_first: bool = False,
         *,
+        score_scale: str = "d_k",
+        head_projection: str = "full",
+        dropout_place: str = "sublayer",
+        ff_dropout: bool = True,
         rng=None,
         dtype=None,
     ):
@@ -108,10 +142,13 @@ class DecoderLayer(_Counted):
         _check_positive("DecoderLayer", d_model=d_model, n_heads=n_heads, d_ff=d_ff)
         check_activation("DecoderLayer", activation)
         self.norm_first = _check_bool("DecoderLayer", "norm_first", norm_first)
+        self.dropout_place, self.ff_dropout = _check_options("DecoderLayer", norm_first, dropout_place, ff_dropout)
         dt, g = check_dtype(dtype), as_generator(rng)
-        self.self_attn = MultiHeadAttention(d_model, n_heads, dropout, rng=g, dtype=dt)
-        self.cross_attn = MultiHeadAttention(d_model, n_heads, dropout, rng=g, dtype=dt)
-        self.ff = PositionwiseFeedForward(d_model, d_ff, dropout, activation, rng=g, dtype=dt)
+        attn = dict(score_scale=score_scale, rng=g, dtype=dt)
+        self.self_attn = make_attention(head_projection, d_model, n_heads, dropout, **attn)
+        self.cross_attn = make_attention(head_projection, d_model, n_heads, dropout, **attn)
+        ff = dict(hidden_dropout=ff_dropout, rng=g, dtype=dt)
+        self.ff = PositionwiseFeedForward(d_model, d_ff, dropout, activation, **ff)
         self.norm1 = LayerNorm(d_model, dtype=dt)
         self.norm2 = LayerNorm(d_model, dtype=dt)
         self.norm3 = LayerNorm(d_model, dtype=dt)
@@ -133,9 +170,9 @@ class DecoderLayer(_Counted):
             x = x + self._mha_block(self.norm2(x), memory, memory_mask)
             x = x + self._ff_block(self.norm3(x))
         else:
-            x = self.norm1(x + self._sa_block(x, tgt_mask))
-            x = self.norm2(x + self._mha_block(x, memory, memory_mask))
-            x = self.norm3(x + self._ff_block(x))
+            x = self._post(self.dropout1, self.norm1(x + self._sa_block(x, tgt_mask)))
+            x = self._post(self.dropout2, self.norm2(x + self._mha_block(x, memory, memory_mask)))
+            x = self._post(self.dropout3, self.norm3(x + self._ff_block(x)))
         return x  # (B, T, d)
 
     def forward_step(
@@ -156,28 +193,28 @@ class DecoderLayer(_Counted):
             x = x + self._mha_block_step(self.norm2(x), memory, memory_mask, ca)
             x = x + self._ff_block(self.norm3(x))
         else:
-            x = self.norm1(x + self._sa_block_step(x, tgt_mask, sa))
-            x = self.norm2(x + self._mha_block_step(x, memory, memory_mask, ca))
-            x = self.norm3(x + self._ff_block(x))
+            x = self._post(self.dropout1, self.norm1(x + self._sa_block_step(x, tgt_mask, sa)))
+            x = self._post(self.dropout2, self.norm2(x + self._mha_block_step(x, memory, memory_mask, ca)))
+            x = self._post(self.dropout3, self.norm3(x + self._ff_block(x)))
         return x  # (B, Tn, d)
 
     def _sa_block_step(self, x: torch.Tensor, mask: torch.Tensor | None, cache: dict) -> torch.Tensor:
-        return self.dropout1(self.self_attn.forward_step(x, x, x, cache, mask))  # new keys/values appended
+        return self._sub(self.dropout1, self.self_attn.forward_step(x, x, x, cache, mask))  # new keys/values appended
 
     def _mha_block_step(self, x, memory, mask, cache: dict) -> torch.Tensor:
-        return self.dropout2(self.cross_attn.forward_step(x, memory, memory, cache, mask, static=True))  # once
+        return self._sub(self.dropout2, self.cross_attn.forward_step(x, memory, memory, cache, mask, static=True))
 
     def _sa_block(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        return self.dropout1(self.self_attn(x, x, x, mask))
+        return self._sub(self.dropout1, self.self_attn(x, x, x, mask))
 
     def _mha_block(self, x: torch.Tensor, memory: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        return self.dropout2(self.cross_attn(x, memory, memory, mask))  # queries x, keys and values memory
+        return self._sub(self.dropout2, self.cross_attn(x, memory, memory, mask))  # queries x, keys and values memory
 
     def _ff_block(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout3(self.ff(x))
+        return self._sub(self.dropout3, self.ff(x))
 
     def extra_repr(self) -> str:
-        return f"norm_first={self.norm_first}"
+        return f"norm_first={self.norm_first}{self._options_repr()}"
 
 
 class Encoder(_Counted):
@@ -196,13 +233,14 @@ class Encoder(_Counted):
         *,
         rng=None,
         dtype=None,
+        **layer_options,
     ):
         super().__init__()
         _check_positive("Encoder", n_layers=n_layers)
         final_norm = _check_bool("Encoder", "final_norm", norm_first if final_norm is None else final_norm)
         dt, g = check_dtype(dtype), as_generator(rng)
         self.layers = nn.ModuleList(
-            EncoderLayer(d_model, n_heads, d_ff, dropout, activation, norm_first, rng=g, dtype=dt)
+            EncoderLayer(d_model, n_heads, d_ff, dropout, activation, norm_first, rng=g, dtype=dt, **layer_options)
             for _ in range(n_layers)
         )
         self.norm = LayerNorm(d_model, dtype=dt) if final_norm else None
@@ -233,13 +271,14 @@ class Decoder(_Counted):
         *,
         rng=None,
         dtype=None,
+        **layer_options,
     ):
         super().__init__()
         _check_positive("Decoder", n_layers=n_layers)
         final_norm = _check_bool("Decoder", "final_norm", norm_first if final_norm is None else final_norm)
         dt, g = check_dtype(dtype), as_generator(rng)
         self.layers = nn.ModuleList(
-            DecoderLayer(d_model, n_heads, d_ff, dropout, activation, norm_first, rng=g, dtype=dt)
+            DecoderLayer(d_model, n_heads, d_ff, dropout, activation, norm_first, rng=g, dtype=dt, **layer_options)
             for _ in range(n_layers)
         )
         self.norm = LayerNorm(d_model, dtype=dt) if final_norm else None

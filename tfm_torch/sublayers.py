@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tfm_common.validate import check_sizes
+from tfm_common.validate import check_flag, check_sizes
 
 from .layers import GELU, Dropout, Linear, ReLU
 from .module import as_generator, check_dtype
@@ -27,7 +27,15 @@ class PositionwiseFeedForward(nn.Module):
     """FFN(x) = linear2(dropout(activation(linear1(x)))): d_model -> d_ff -> d_model at every position alone."""
 
     def __init__(
-        self, d_model: int, d_ff: int, dropout: float = 0.1, activation: str = "relu", *, rng=None, dtype=None
+        self,
+        d_model: int,
+        d_ff: int,
+        dropout: float = 0.1,
+        activation: str = "relu",
+        *,
+        hidden_dropout: bool = True,
+        rng=None,
+        dtype=None,
     ):
         super().__init__()
         d_model, d_ff = check_sizes("PositionwiseFeedForward", d_model=d_model, d_ff=d_ff).values()
@@ -35,7 +43,9 @@ class PositionwiseFeedForward(nn.Module):
         self.d_model, self.d_ff, self.activation_name = d_model, d_ff, activation
         self.linear1 = Linear(d_model, d_ff, rng=g, dtype=dt)  # (d_ff, d_model)
         self.activation = ReLU() if check_activation("PositionwiseFeedForward", activation) == "relu" else GELU()
-        self.dropout = Dropout(dropout, rng=g)
+        # hidden_dropout=False (a pitfall of chapter 16a): no dropout on the d_ff hidden units, dropout=0 here
+        self.hidden_dropout = check_flag("PositionwiseFeedForward", "hidden_dropout", hidden_dropout)
+        self.dropout = Dropout(dropout if hidden_dropout else 0.0, rng=g)
         self.linear2 = Linear(d_ff, d_model, rng=g, dtype=dt)  # (d_model, d_ff)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

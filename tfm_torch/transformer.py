@@ -15,12 +15,13 @@ import numpy as np
 import torch
 from torch import nn
 
+from tfm_common.pitfalls import LAYER_PITFALLS, MODEL_PITFALLS, check_model_pitfalls
 from tfm_common.validate import check_decode_cache
 
-from .attention import check_attention, decoder_mask, padding_mask, use_attention
+from .attention import causal_mask, check_attention, decoder_mask, padding_mask, use_attention
 from .decoding import cache_append
 from .encoder_decoder import Decoder, Encoder, _check_bool, _check_positive, _Counted
-from .layers import Dropout, Embedding, Linear
+from .layers import Dropout, Embedding, LayerNorm, Linear
 from .module import as_generator, check_dtype, check_indices, check_input, check_probability
 from .positional import LearnedPositionalEmbedding, PositionalEncoding, sinusoidal_positional_encoding
 from .sublayers import check_activation
@@ -79,10 +80,20 @@ class Transformer(_Counted):
         *,
         attention: str = "explicit",
         block_size: int = 64,
+        score_scale: str = "d_k",
+        head_projection: str = "full",
+        dropout_place: str = "sublayer",
+        ff_dropout: bool = True,
+        embed_scale: str = "embedding",
+        embed_norm: bool = False,
+        tgt_padding_mask: bool = True,
         rng=None,
         dtype=None,
     ):
         super().__init__()
+        pitfalls = dict(score_scale=score_scale, head_projection=head_projection, dropout_place=dropout_place,
+                        ff_dropout=ff_dropout, embed_scale=embed_scale, embed_norm=embed_norm,
+                        tgt_padding_mask=tgt_padding_mask)  # fmt: skip
         self.config = _check_config(
             "Transformer",
             dict(
@@ -103,7 +114,14 @@ class Transformer(_Counted):
                 final_norm=final_norm,
             ),
         )
+        # the pitfall options (chapter 16a) join the configuration only where they differ from the paper's
+        self.config.update(check_model_pitfalls("Transformer", self.config["norm_first"], pitfalls))
         c = self.config  # the checked arguments, sizes as Python ints (JSON-able: checkpoints record them)
+        opts = {**MODEL_PITFALLS, **c}
+        layer_opts = {k: opts[k] for k in LAYER_PITFALLS if opts[k] != LAYER_PITFALLS[k]}
+        embed_scale, self.tgt_padding_mask = opts["embed_scale"], opts["tgt_padding_mask"]
+        self._in_scale = math.sqrt(c["d_model"]) if embed_scale == "embedding" else None  # times the embeddings
+        self._out_scale = c["d_model"] ** -0.5 if embed_scale == "logits" else None  # times the logits
         d_model, n_heads, d_ff, n_layers, max_len, pad_id = (c[k] for k in ("d_model", "n_heads", "d_ff", "n_layers",
                                                                             "max_len", "pad_id"))  # fmt: skip
         src_vocab_size, tgt_vocab_size = c["src_vocab_size"], c["tgt_vocab_size"]
@@ -117,15 +135,18 @@ class Transformer(_Counted):
         self.tgt_embed = Embedding(tgt_vocab_size, d_model, padding_idx=pad_id, rng=g, dtype=dt)
         with torch.no_grad():
             for emb in (self.src_embed, self.tgt_embed):
-                emb.weight.mul_(d_model**-0.5)  # N(0, 1) -> N(0, 1/d_model); the padding row stays 0
+                if embed_scale != "none":  # "none" keeps N(0, 1), torch.nn.Embedding's default
+                    emb.weight.mul_(d_model**-0.5)  # N(0, 1) -> N(0, 1/d_model); the padding row stays 0
         if share_embeddings:
             self.tgt_embed.weight = self.src_embed.weight  # one Parameter, two lookups
         self.src_pos = self._make_positional(positional, g, dt)
         self.tgt_pos = self._make_positional(positional, g, dt)
         self.src_dropout = Dropout(dropout, rng=g)
         self.tgt_dropout = Dropout(dropout, rng=g)
-        self.encoder = Encoder(*stack, rng=g, dtype=dt)
-        self.decoder = Decoder(*stack, rng=g, dtype=dt)
+        self.src_embed_norm = LayerNorm(d_model, dtype=dt) if opts["embed_norm"] else None  # after the dropout
+        self.tgt_embed_norm = LayerNorm(d_model, dtype=dt) if opts["embed_norm"] else None
+        self.encoder = Encoder(*stack, rng=g, dtype=dt, **layer_opts)
+        self.decoder = Decoder(*stack, rng=g, dtype=dt, **layer_opts)
         self.output_projection = Linear(d_model, tgt_vocab_size, bias=False, rng=g, dtype=dt)  # (V, d)
         if tie_output:
             self.output_projection.weight = self.tgt_embed.weight  # logits = y @ E^T
@@ -145,7 +166,7 @@ class Transformer(_Counted):
         """src (B, S) ids -> (memory (B, S, d), src_mask (B, 1, 1, S), True at real tokens)."""
         self._check_tokens("src", src, self.src_vocab_size)
         src_mask = padding_mask(src, self.pad_id)  # (B, 1, 1, S)
-        x = self._embed(src, self.src_embed, self.src_pos, self.src_dropout)  # (B, S, d)
+        x = self._embed(src, self.src_embed, self.src_pos, self.src_dropout, self.src_embed_norm)  # (B, S, d)
         return self.encoder(x, src_mask), src_mask
 
     def decode(self, tgt_in: torch.Tensor, memory: torch.Tensor, src_mask: torch.Tensor) -> torch.Tensor:
@@ -158,10 +179,10 @@ class Transformer(_Counted):
                 f"Transformer.decode: memory expected shape (B={tgt_in.shape[0]}, S, {self.d_model}), "
                 f"got {tuple(memory.shape)}"
             )
-        tgt_mask = decoder_mask(tgt_in, self.pad_id)  # (B, 1, T, T): causal and not padding
-        y = self._embed(tgt_in, self.tgt_embed, self.tgt_pos, self.tgt_dropout)  # (B, T, d)
+        tgt_mask = self._tgt_mask(tgt_in)  # (B, 1, T, T): causal and not padding
+        y = self._embed(tgt_in, self.tgt_embed, self.tgt_pos, self.tgt_dropout, self.tgt_embed_norm)  # (B, T, d)
         y = self.decoder(y, memory, tgt_mask, src_mask)  # (B, T, d)
-        return self.output_projection(y)  # (B, T, V)
+        return self._logits(y)  # (B, T, V)
 
     def decode_step(self, tgt_new: torch.Tensor, memory: torch.Tensor, src_mask: torch.Tensor, cache: dict):
         """Incremental decoding (inference): the logits (B, Tn, V) of the new target tokens `tgt_new` (B, Tn) given
@@ -178,21 +199,34 @@ class Transformer(_Counted):
         cap = min(cache.setdefault("capacity", self.max_len), self.max_len)  # positions to make room for, once
         keep = cache_append(cache, "keep", padding_mask(tgt_new, self.pad_id), axis=3)  # (B, 1, 1, T), in place
         causal = torch.ones(Tn, t0 + Tn, dtype=torch.bool, device=tgt_new.device).tril(t0)  # new i sees 0 .. t0 + i
-        tgt_mask = keep & causal  # (B, 1, Tn, T)
-        y = self._embed(tgt_new, self.tgt_embed, self.tgt_pos, self.tgt_dropout, offset=t0)  # (B, Tn, d)
+        tgt_mask = keep & causal if self.tgt_padding_mask else causal  # (B, 1, Tn, T), or (Tn, T): causal only
+        y = self._embed(tgt_new, self.tgt_embed, self.tgt_pos, self.tgt_dropout, self.tgt_embed_norm, t0)  # (B, Tn, d)
         room = {"capacity": cap, "preallocate": cache.get("preallocate", True)}
         layers = cache.setdefault("layers", [{"self_attn": dict(room)} for _ in self.decoder.layers])
         y = self.decoder.forward_step(y, memory, layers, tgt_mask, src_mask)  # (B, Tn, d)
         cache["length"] = t0 + Tn
-        return self.output_projection(y)  # (B, Tn, V)
+        return self._logits(y)  # (B, Tn, V)
 
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
         memory, src_mask = self.encode(src)
         return self.decode(tgt_in, memory, src_mask)  # (B, T, V)
 
-    def _embed(self, tokens: torch.Tensor, embed: Embedding, pos: nn.Module, drop: Dropout, offset: int = 0):
-        x = embed(tokens) * math.sqrt(self.d_model)  # (B, T, d)
-        return drop(pos(x, offset))
+    def _embed(self, tokens: torch.Tensor, embed: Embedding, pos: nn.Module, drop: Dropout, norm, offset: int = 0):
+        x = embed(tokens)  # (B, T, d)
+        if self._in_scale is not None:
+            x = x * self._in_scale
+        x = drop(pos(x, offset))
+        return x if norm is None else norm(x)  # embed_norm=True: one more LayerNorm before the first layer
+
+    def _logits(self, y: torch.Tensor) -> torch.Tensor:
+        logits = self.output_projection(y)  # (B, T, V)
+        return logits if self._out_scale is None else logits * self._out_scale
+
+    def _tgt_mask(self, tgt_in: torch.Tensor) -> torch.Tensor:
+        """Causal and not padding (B, 1, T, T); causal only (1, 1, T, T) with tgt_padding_mask=False."""
+        if self.tgt_padding_mask:
+            return decoder_mask(tgt_in, self.pad_id)
+        return causal_mask(tgt_in.shape[1], tgt_in.device)
 
     def _check_tokens(self, arg: str, tokens, vocab_size: int) -> None:
         check_indices(f"Transformer: {arg}", tokens, vocab_size)
@@ -414,6 +448,9 @@ def from_reference_state_dict(state: dict) -> dict:
 
 def to_torch_nn_transformer(model: Transformer) -> ReferenceTransformer:
     """Our torch model's weights in a ReferenceTransformer (torch.nn.Transformer inside), same dtype and mode."""
+    odd = sorted(set(model.config) - set(_ARGS))
+    if odd:
+        raise ValueError(f"to_torch_nn_transformer: torch.nn.Transformer has no counterpart of the options {odd}")
     ref = ReferenceTransformer(**model.config, dtype=model.src_embed.weight.dtype)
     ref.load_state_dict(to_reference_state_dict(model.state_dict()))
     return ref.train(model.training)
