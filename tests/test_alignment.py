@@ -107,13 +107,15 @@ def test_plot_reordering_boxes_each_span_at_its_digit():
     panels = [ax for ax in fig.axes if ax.images and ax.get_title()]
     assert [ax.get_title() for ax in panels] == ["layer 0", "layer 1"]
     for ax in panels:
-        assert np.array_equal(ax.images[0].get_array(), maps[panels.index(ax)].T)  # digits down, text across
+        assert np.array_equal(ax.images[0].get_array(), maps[panels.index(ax)])  # queries (text) down, digits across
+        assert (ax.get_xlabel(), ax.get_ylabel()) == ("source (keys)", "output (queries)")
         boxes = [p for p in ax.patches if isinstance(p, Rectangle)]
         spans = reorder_spans(654321)
-        assert [(b.get_x() + 0.5, b.get_y() + 0.5, b.get_width()) for b in boxes] == [
-            (s.start, s.digit, s.end - s.start) for s in spans
+        assert [(b.get_x() + 0.5, b.get_y() + 0.5, b.get_height()) for b in boxes] == [
+            (s.digit, s.start, s.end - s.start) for s in spans
         ]
-        assert [t.get_text() for t in ax.get_yticklabels()] == [*"654321", "<eos>"]
+        assert [t.get_text() for t in ax.get_xticklabels()] == [*"654321", "<eos>"]
+        assert [t.get_text() for t in ax.get_yticklabels()] == [*words, "<eos>"]
     with pytest.raises(ValueError, match=r"expected maps of shape \(L, 58, 7\)"):
         plot_reordering(maps[:, :-1], "654321", words)
     with pytest.raises(ValueError, match="expected 2 titles"):

@@ -22,6 +22,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
 from .data import number_to_words
+from .plotting import plot_attention
 
 __all__ = ["Span", "reorder_spans", "span_attention", "reorder_attention", "plot_reordering", "read_number"]
 
@@ -125,14 +126,14 @@ def reorder_attention(weights, pairs) -> dict[tuple[int, str], np.ndarray]:
     return {k: np.array(v, dtype=np.float64).reshape(-1, weights[k[0]].shape[1], 2) for k, v in out.items()}
 
 
-def plot_reordering(maps, number: str, words: str, titles=None, cell_size: float = 0.2) -> Figure:
-    """Cross-attention maps of one number, one panel per map, laid out to read along the words.
+def plot_reordering(maps, number: str, words: str, titles=None, cell_size: float = 0.22) -> Figure:
+    """Cross-attention maps of one number, one panel per map side by side, drawn by `plot_attention`.
 
     maps: (L, T, S), e.g. the mean of the heads for each of L decoder layers, teacher-forced on `words`:
     T = len(words) + 1 queries (the last one writes <eos>), S = len(number) + 1 keys (the digits and <eos>).
-    Each panel has the source digits as rows and the written characters as columns; the reordered spans of
-    `reorder_spans` are outlined at their own digit, so a model that reorders puts its weight inside the boxes.
-    Returns the Figure (matplotlib's object API, as in `tfm_common.plotting`).
+    As every attention map of the book: the written characters (queries) are the rows, the source digits (keys)
+    the columns. The reordered spans of `reorder_spans` are outlined at their own digit, so a model that
+    reorders puts its weight inside the boxes. Returns the Figure (matplotlib's object API).
     """
     maps = np.asarray(maps)
     T, S = len(words) + 1, len(number) + 1
@@ -140,19 +141,18 @@ def plot_reordering(maps, number: str, words: str, titles=None, cell_size: float
         raise ValueError(f"plot_reordering: expected maps of shape (L, {T}, {S}) for {number!r}, got {maps.shape}")
     if titles is not None and len(titles) != len(maps):
         raise ValueError(f"plot_reordering: expected {len(maps)} titles, got {len(titles)}")
+    fig = plot_attention(
+        maps, x_labels=[*number, "<eos>"], y_labels=[*words, "<eos>"], ncols=len(maps), cell_size=cell_size
+    )
     spans = reorder_spans(int(number), words)
-    fig = Figure(figsize=(1.5 + cell_size * T, len(maps) * (0.9 + cell_size * S)), layout="constrained")
-    axes = fig.subplots(len(maps), 1, squeeze=False)[:, 0]
-    for i, (ax, m) in enumerate(zip(axes, maps, strict=True)):
-        image = ax.imshow(m.T, cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")  # (S, T): digits down, text across
-        ax.set_xticks(range(T), [*words, "<eos>"], fontsize=7)
-        ax.set_yticks(range(S), [*number, "<eos>"], fontsize=8)
-        for span in spans:
-            corner = (span.start - 0.5, span.digit - 0.5)
-            ax.add_patch(Rectangle(corner, span.end - span.start, 1.0, fill=False, edgecolor="red", lw=1.5))
-        if titles is not None:
-            ax.set_title(titles[i], fontsize=9)
-    fig.colorbar(image, ax=list(axes), shrink=0.9, label="attention weight")
+    for i, ax in enumerate(fig.axes[: len(maps)]):
+        ax.set_xlabel("source (keys)")
+        ax.set_ylabel("output (queries)")
+        ax.tick_params(axis="x", labelrotation=0)
+        ax.set_title(titles[i] if titles is not None else "")
+        for span in spans:  # a box over the span's characters (rows), at its own digit (column)
+            corner = (span.digit - 0.5, span.start - 0.5)
+            ax.add_patch(Rectangle(corner, 1.0, span.end - span.start, fill=False, edgecolor="red", lw=2))
     return fig
 
 
