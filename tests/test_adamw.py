@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 from helpers_tracks import max_abs_diff
-from test_optim import grads_for, make_params, run_both
+from test_optim import assert_same_steps, grads_for, make_params, run_both
 
 import tfm_numpy as tn
 import tfm_torch as tt
@@ -32,13 +32,7 @@ def run_adamw(n_steps, lr_fn, weight_decay, betas=(0.9, 0.98), eps=1e-9, dtype=n
     ids=["no-decay", "decay-0.1", "noam-decay-0.5", "decay-2"],
 )
 def test_adamw_matches_torch_step_for_step_float64(lr_fn, weight_decay):
-    np_params, t_params, opt_np, opt_t = run_adamw(10, lr_fn, weight_decay)
-    for p, tp in zip(np_params, t_params, strict=True):
-        assert max_abs_diff(p.data, tp) < 1e-12
-    state_t = [opt_t.state[tp] for tp in t_params]
-    for m, v, st in zip(opt_np.exp_avg, opt_np.exp_avg_sq, state_t, strict=True):
-        assert max_abs_diff(m, st["exp_avg"]) < 1e-12 and max_abs_diff(v, st["exp_avg_sq"]) < 1e-12
-    assert opt_np.step_count == 10 == int(state_t[0]["step"])
+    assert_same_steps(*run_adamw(10, lr_fn, weight_decay), n_steps=10)
 
 
 def test_torch_track_adamw_matches_numpy_adamw():
