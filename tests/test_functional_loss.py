@@ -12,7 +12,7 @@ from helpers_tracks import TOL, max_abs_diff, to_torch
 
 import tfm_numpy as tn
 import tfm_torch as tt
-from tfm_numpy.functional import normal_cdf_pdf_float32
+from tfm_numpy.functional import gelu_float32, normal_cdf_pdf_float32
 
 F64, F32 = np.float64, np.float32
 
@@ -132,6 +132,23 @@ def test_float32_normal_cdf_of_the_gelu_is_accurate_to_float32():
     assert list(special[:2]) == [1, 0] and np.isnan(special[2]) and list(special[3:]) == [1, 0, 0.5]
     strided = x[:, None][::-2]  # not contiguous: the flat views must still write into the result
     assert np.array_equal(normal_cdf_pdf_float32(strided)[0], normal_cdf_pdf_float32(x[::-2].copy())[0][:, None])
+
+
+@pytest.mark.parametrize("n", [1, 3 * (1 << 15) + 7])  # one short block; several blocks and a short last one
+def test_float32_gelu_blocks_give_the_unfused_numbers_bit_for_bit(n):
+    """gelu_float32 fuses x Phi and Phi + x phi into the blocks of the CDF: the same float32 numbers as the
+    unfused formulas (the GELU's outputs and gradients did not move when it was fused), any layout of x."""
+    x = (np.random.default_rng(5).standard_normal((n, 2)) * 4).astype(F32)
+    x[0] = [-0.0, np.nan]
+    for xs in (x, x[::-1, ::-1], x.T):  # contiguous, reversed views, a transpose: the results keep x's shape
+        cdf, pdf = normal_cdf_pdf_float32(xs)
+        y, dydx = gelu_float32(xs)
+        assert y.shape == dydx.shape == xs.shape and y.dtype == dydx.dtype == F32
+        for got, want in ((y, xs * cdf), (dydx, cdf + xs * pdf)):
+            assert np.array_equal(got.view(np.uint32), want.view(np.uint32))  # bits: signs of zeros and nans too
+    layer = tn.GELU()
+    assert np.array_equal(layer(x), gelu_float32(x)[0], equal_nan=True)
+    assert np.array_equal(layer.backward(np.ones_like(x)), gelu_float32(x)[1], equal_nan=True)
 
 
 # -- cross-entropy -----------------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import numpy as np
 from tfm_common.validate import check_sizes
 from tfm_common.validate import normalized_shape as normalized_shape_of
 
-from .functional import erf, normal_cdf_pdf_float32
+from .functional import erf, gelu_float32
 from .module import Module, Parameter, as_rng, check_dtype, check_grad, check_indices, check_input, check_probability
 
 __all__ = ["Linear", "Embedding", "ReLU", "GELU", "Dropout", "LayerNorm"]
@@ -140,6 +140,8 @@ class GELU(Module):
               dy/dx = (1 + t) / 2 + x (1 - t^2) / 2 * sqrt(2/pi) (1 + 3 * 0.044715 x^2)
     """
 
+    _kept_inputs = ()  # backward needs only dy/dx, computed in forward: no copy of x
+
     def __init__(self, approximate: str = "none"):
         super().__init__()
         if approximate not in ("none", "tanh"):
@@ -148,24 +150,26 @@ class GELU(Module):
 
     def forward(self, x: np.ndarray) -> np.ndarray:
         check_input("GELU", x)
-        if self.approximate == "none":
-            if x.dtype == np.float32:  # a fast form without a table, to float32 accuracy (see functional.py)
-                cdf, dcdf = normal_cdf_pdf_float32(x)
-            else:  # Phi(x) and phi(x) = Phi'(x), to float64 accuracy
+        if self.approximate == "none" and x.dtype == np.float32:
+            # the same two lines as below, a block of numbers at a time, with a fast float32 Phi (functional.py)
+            y, dydx = gelu_float32(x)
+        else:
+            if self.approximate == "none":  # Phi(x) and phi(x) = Phi'(x), to float64 accuracy
                 cdf = 0.5 * (1 + erf(x * (1 / math.sqrt(2))))
                 dcdf = np.exp(-0.5 * x * x) * (1 / math.sqrt(2 * math.pi))
-        else:
-            c = math.sqrt(2 / math.pi)
-            t = np.tanh(c * (x + 0.044715 * x**3))
-            cdf = 0.5 * (1 + t)
-            dcdf = 0.5 * (1 - t * t) * c * (1 + 3 * 0.044715 * x * x)
-        self._cache = (x, cdf, dcdf)
-        return x * cdf
+            else:
+                c = math.sqrt(2 / math.pi)
+                t = np.tanh(c * (x + 0.044715 * x**3))
+                cdf = 0.5 * (1 + t)
+                dcdf = 0.5 * (1 - t * t) * c * (1 + 3 * 0.044715 * x * x)
+            y, dydx = x * cdf, cdf + x * dcdf  # dy/dx by the product rule on x * cdf(x), ready for the backward
+        self._cache = (dydx,)  # one array kept, not three (x, cdf, dcdf)
+        return y
 
     def backward(self, grad_out: np.ndarray) -> np.ndarray:
-        x, cdf, dcdf = self._saved()
-        check_grad("GELU", grad_out, x.shape, x.dtype)
-        return grad_out * (cdf + x * dcdf)  # product rule on x * cdf(x)
+        (dydx,) = self._saved()
+        check_grad("GELU", grad_out, dydx.shape, dydx.dtype)
+        return grad_out * dydx
 
     def extra_repr(self) -> str:
         return f"approximate={self.approximate!r}"
