@@ -144,6 +144,7 @@ def plot_reordering(maps, number: str, words: str, titles=None, cell_size: float
     fig = plot_attention(
         maps, x_labels=[*number, "<eos>"], y_labels=[*words, "<eos>"], ncols=len(maps), cell_size=cell_size
     )
+    fig.set_figwidth(len(maps) * (1.6 + 0.45 * S))  # wider columns than rows: room for the `<eos>` tick label
     spans = reorder_spans(int(number), words)
     for i, ax in enumerate(fig.axes[: len(maps)]):
         ax.set_xlabel("source (keys)")
