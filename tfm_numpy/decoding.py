@@ -293,6 +293,7 @@ class _LeanStep:
         self.model, self.layers = model, list(model.decoder.layers)
         # [W_q; W_k; W_v]^T (d, 3d) and [b_q; b_k; b_v]: the new token's query, key and value in one matmul
         self.qkv = [_fused(layer.self_attn, ("q_proj", "k_proj", "v_proj")) for layer in self.layers]
+        self.q = [_fused(layer.cross_attn, ("q_proj",)) for layer in self.layers]  # the cross-attention's queries
         self.kv = [_fused(layer.cross_attn, ("k_proj", "v_proj")) for layer in self.layers]  # the memory's, once
         pos, dt = model.tgt_pos, model.tgt_embed.weight.dtype
         if hasattr(pos, "pe"):  # the sinusoidal table, in the model's dtype (as PositionalEncoding rebuilds it)
@@ -306,15 +307,19 @@ class _LeanStep:
         if t0 == 0:  # room for every position, as decode_step makes it
             cap = min(cache.setdefault("capacity", m.max_len), m.max_len)
             cache["layers"] = [{"self_attn": {"capacity": cap}, "cross_attn": {}} for _ in self.layers]
-        keep = _append_one(cache, "keep", (token != m.pad_id)[:, None, None, None], 3, t0)  # (B, 1, 1, T)
-        hidden = ~keep if m.tgt_padding_mask else None  # the padded target keys; the causal mask hides nothing here
+        if t0 == 0:  # a source row of padding hides its keys at every step (the searches pass the same mask)
+            self.src_padded, self.padded = not src_mask.all(), False
+        real = token != m.pad_id  # (B,): False for the padding fed to the rows already done
+        keep = _append_one(cache, "keep", real[:, None, None, None], 3, t0)  # (B, 1, 1, T)
+        self.padded = self.padded or (m.tgt_padding_mask and not real.all())
+        hidden = ~keep if self.padded else None  # padded target keys, once there are any (the causal mask: none)
         y = m.tgt_embed.weight.data[token]  # (B, d): one row per new token
         if m._in_scale is not None:
             y *= m._in_scale
         y += self.positions[t0]
         if m.tgt_embed_norm is not None:
             y = _norm(m.tgt_embed_norm, y)
-        src_hidden = ~src_mask  # (B, 1, 1, S)
+        src_hidden = ~src_mask if self.src_padded else None  # (B, 1, 1, S)
         for i, layer in enumerate(self.layers):
             y = self._layer(i, layer, y, memory, cache["layers"][i], hidden, src_hidden, t0)
         if m.decoder.norm is not None:
@@ -349,17 +354,21 @@ class _LeanStep:
             S = memory.shape[1]
             kv = _affine(memory.reshape(B * S, -1), *self.kv[i]).reshape(B, S, 2, H, dk).transpose(2, 0, 3, 1, 4)
             cache["k"], cache["v"] = np.ascontiguousarray(kv[0]), np.ascontiguousarray(kv[1])
-        q = _affine(x, attn.q_proj.weight.data.T, _data(attn.q_proj.bias)).reshape(B, H, 1, dk)
+        q = _affine(x, *self.q[i]).reshape(B, H, 1, dk)
         return _attend(attn, q, cache["k"], cache["v"], src_hidden)
 
 
 def _fused(attn, names: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray | None]:
-    """The projections `names` of `attn` as one (d_in, n * d_out) matrix (transposed: x @ W) and one bias."""
+    """The projections `names` of `attn` as one (d_in, n * d_out) matrix (transposed: x @ W) and one bias. The
+    query projection comes out times 1/sqrt(dk) (and score_scale's 1/sqrt(H)): the scores need no scaling after."""
     projs = [getattr(attn, n) for n in names]
-    w = np.concatenate([p.weight.data for p in projs], axis=0).T  # (d, n * d)
+    scale = (1.0 if attn._q_scale is None else attn._q_scale) / math.sqrt(attn.d_head)
+    scales = [scale if n == "q_proj" else 1.0 for n in names]
+    w = np.concatenate([p.weight.data * c for p, c in zip(projs, scales, strict=True)], axis=0).T  # (d, n * d)
     if all(p.bias is None for p in projs):
         return w, None
-    return w, np.concatenate([np.zeros(p.out_features, w.dtype) if p.bias is None else p.bias.data for p in projs])
+    zeros = np.zeros(projs[0].out_features, w.dtype)
+    return w, np.concatenate([zeros if p.bias is None else p.bias.data * c for p, c in zip(projs, scales, strict=True)])
 
 
 def _data(p):
@@ -375,18 +384,16 @@ def _affine(x: np.ndarray, w: np.ndarray, b: np.ndarray | None) -> np.ndarray:
 
 
 def _attend(attn, q: np.ndarray, k: np.ndarray, v: np.ndarray, hidden: np.ndarray | None) -> np.ndarray:
-    """One query per row and head: q (B, H, 1, dk), k, v (B, H, T, dk), hidden (B, 1, 1, T) True where a key may not
-    be seen (no row hides all) -> the attention's output (B, d): attention_weights, @ v, merge, out_proj."""
-    if attn._q_scale is not None:  # score_scale="d_model" (chapter 16a)
-        q = q * q.dtype.type(attn._q_scale)
-    s = q @ np.swapaxes(k, -1, -2)  # (B, H, 1, T)
-    s *= 1.0 / math.sqrt(q.shape[-1])
+    """One query per row and head: q (B, H, 1, dk) already scaled, k, v (B, H, T, dk), hidden (B, 1, 1, T) True
+    where a key may not be seen (no row hides all) -> the attention's output (B, d): softmax(q k^T) v, out_proj."""
+    s = q @ k.transpose(0, 1, 3, 2)  # (B, H, 1, T): the scores
     if hidden is not None:
         np.copyto(s, -np.inf, where=hidden)
-    s -= np.maximum.reduce(s, axis=-1, keepdims=True)  # the softmax of attention_weights, in place
+    s -= np.maximum.reduce(s, axis=-1, keepdims=True)  # exp(s - max) as in attention_weights, in place
     np.exp(s, out=s)
-    s /= np.add.reduce(s, axis=-1, keepdims=True)
-    ctx = (s @ v).reshape(q.shape[0], -1)  # (B, H, 1, dk) -> (B, d): with one position, merging heads is a reshape
+    ctx = s @ v  # (B, H, 1, dk): the weighted sum before normalizing,
+    ctx /= np.add.reduce(s, axis=-1, keepdims=True)  # then divided by the weights' sum (dk numbers, not T)
+    ctx = ctx.reshape(q.shape[0], -1)  # (B, H, 1, dk) -> (B, d): with one position, merging heads is a reshape
     return _affine(ctx, attn.out_proj.weight.data.T, _data(attn.out_proj.bias))
 
 
