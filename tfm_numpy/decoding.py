@@ -263,7 +263,7 @@ def _next_logits(model, tgt: np.ndarray, memory: np.ndarray, src_mask: np.ndarra
 
 
 def _lean_fits(model, tgt: np.ndarray, src_mask: np.ndarray, cache: dict) -> bool:
-    """Whether the lean step computes exactly what `model.decode_step` would (at the first step of a search)."""
+    """Whether the lean step computes what `model.decode_step` would, to rounding (at the first step of a search)."""
     from .attention import MultiHeadAttention  # here, not at the top: both modules import this one
     from .encoder_decoder import DecoderLayer
     from .sublayers import PositionwiseFeedForward
@@ -304,10 +304,9 @@ class _LeanStep:
 
     def __call__(self, token: np.ndarray, memory: np.ndarray, src_mask: np.ndarray, cache: dict) -> np.ndarray:
         m, t0 = self.model, cache.get("length", 0)
-        if t0 == 0:  # room for every position, as decode_step makes it
+        if t0 == 0:  # room for every position, as decode_step makes it; the searches pass the same mask each step
             cap = min(cache.setdefault("capacity", m.max_len), m.max_len)
             cache["layers"] = [{"self_attn": {"capacity": cap}, "cross_attn": {}} for _ in self.layers]
-        if t0 == 0:  # a source row of padding hides its keys at every step (the searches pass the same mask)
             self.src_padded, self.padded = not src_mask.all(), False
         real = token != m.pad_id  # (B,): False for the padding fed to the rows already done
         keep = _append_one(cache, "keep", real[:, None, None, None], 3, t0)  # (B, 1, 1, T)
