@@ -187,3 +187,10 @@ def test_both_tracks_decode_the_same_tokens():
     twin.load_state_dict({k: torch.from_numpy(v) for k, v in m.state_dict().items()})
     out = tt.greedy_decode(twin, torch.from_numpy(SRC), BOS, EOS, 11)
     np.testing.assert_array_equal(tn.greedy_decode(m, SRC, BOS, EOS, 11), to_numpy(out))
+
+
+def test_an_empty_batch_decodes_to_an_empty_array():
+    m = model()
+    out = tn.greedy_decode(m, SRC[:0], BOS, EOS, 5)
+    np.testing.assert_array_equal(out, tn.greedy_decode(m, SRC[:0], BOS, EOS, 5, use_cache=False))
+    assert out.shape == (0, 1)

@@ -351,7 +351,7 @@ class _LeanStep:
         B, H, dk = x.shape[0], attn.n_heads, attn.d_head
         if "k" not in cache:  # the first step: the memory's keys and values (B, H, S, dk), for every later step
             S = memory.shape[1]
-            kv = _affine(memory.reshape(B * S, -1), *self.kv[i]).reshape(B, S, 2, H, dk).transpose(2, 0, 3, 1, 4)
+            kv = _affine(memory.reshape(B * S, H * dk), *self.kv[i]).reshape(B, S, 2, H, dk).transpose(2, 0, 3, 1, 4)
             cache["k"], cache["v"] = np.ascontiguousarray(kv[0]), np.ascontiguousarray(kv[1])
         q = _affine(x, *self.q[i]).reshape(B, H, 1, dk)
         return _attend(attn, q, cache["k"], cache["v"], src_hidden)
@@ -392,7 +392,7 @@ def _attend(attn, q: np.ndarray, k: np.ndarray, v: np.ndarray, hidden: np.ndarra
     np.exp(s, out=s)
     ctx = s @ v  # (B, H, 1, dk): the weighted sum before normalizing,
     ctx /= np.add.reduce(s, axis=-1, keepdims=True)  # then divided by the weights' sum (dk numbers, not T)
-    ctx = ctx.reshape(q.shape[0], -1)  # (B, H, 1, dk) -> (B, d): with one position, merging heads is a reshape
+    ctx = ctx.reshape(q.shape[0], attn.d_model)  # (B, H, 1, dk) -> (B, d): one position: merging heads is a reshape
     return _affine(ctx, attn.out_proj.weight.data.T, _data(attn.out_proj.bias))
 
 
