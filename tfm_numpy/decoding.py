@@ -31,6 +31,7 @@ import numpy as np
 
 from .functional import log_softmax
 from .module import check_indices
+from .positional import sinusoidal_positional_encoding
 
 __all__ = ["length_penalty", "greedy_decode", "beam_search", "sequence_scores", "reorder_cache", "cache_append"]
 
@@ -234,10 +235,200 @@ def reorder_cache(cache: dict, rows: np.ndarray) -> dict:
 
 
 def _next_logits(model, tgt: np.ndarray, memory: np.ndarray, src_mask: np.ndarray, cache: dict | None) -> np.ndarray:
-    """The logits (B, V) of the token after `tgt` (B, T): the last token through the cache, or all of `tgt`."""
+    """The logits (B, V) of the token after `tgt` (B, T): the last token through the cache, or all of `tgt`.
+    With the cache, the lean step below runs the model when it can (decided at the first step, kept in the cache),
+    `Transformer.decode_step` otherwise: the same logits to rounding."""
     if cache is None:
         return model.decode(tgt, memory, src_mask)[:, -1]  # the whole prefix again
+    if "lean" not in cache:
+        cache["lean"] = _LeanStep(model) if _lean_fits(model, tgt, src_mask, cache) else None
+    if cache["lean"] is not None:
+        return cache["lean"](tgt[:, -1], memory, src_mask, cache)  # (B, V)
     return model.decode_step(tgt[:, -1:], memory, src_mask, cache)[:, -1]  # the new token only
+
+
+# -- the lean step of the two searches ------------------------------------------------------------------------------
+#
+# `Transformer.decode_step` is written to be read and to be safe anywhere: every module checks its inputs, the
+# outermost call copies the caller's arrays, every layer works on (B, T, d) for any T, and the three projections of
+# the self-attention are three Linear calls. For one new token of a small model that bookkeeping, not the
+# arithmetic, sets the time of a cached step (benchmarks/bench.py, section "decode"). The two searches feed the
+# model inputs they made themselves, checked once at the start, so they run the same arithmetic through `_LeanStep`:
+# one token per row, no checks or copies per token, q, k and v of the new token from ONE matmul with the weights
+# concatenated once per search (not parameters: the state_dict is unchanged), the memory's keys and values
+# projected once, the new keys and values written straight into the cache's buffers. The cache keeps its layout, so
+# `reorder_cache` (beam search) and `decode_step` read it as before, and the logits are decode_step's to rounding
+# (tests/test_lean_step.py). What it does not cover takes `decode_step`: training mode, tiled attention, the
+# shared head projections of chapter 16a, a cache that concatenates, a source row that is all padding.
+
+
+def _lean_fits(model, tgt: np.ndarray, src_mask: np.ndarray, cache: dict) -> bool:
+    """Whether the lean step computes what `model.decode_step` would, to rounding (at the first step of a search)."""
+    from .attention import MultiHeadAttention  # here, not at the top: both modules import this one
+    from .encoder_decoder import DecoderLayer
+    from .sublayers import PositionwiseFeedForward
+    from .transformer import Transformer
+
+    if not isinstance(model, Transformer) or type(model).decode_step is not Transformer.decode_step:
+        return False
+    layers = list(model.decoder.layers)
+    attns = [a for layer in layers for a in (layer.self_attn, layer.cross_attn)]
+    return (
+        not any(m.training for _, m in model.named_modules())  # dropout off: the searches run in eval mode
+        and all(type(layer) is DecoderLayer and type(layer.ff) is PositionwiseFeedForward for layer in layers)
+        and all(type(a) is MultiHeadAttention and a.attention == "explicit" for a in attns)
+        and cache.get("preallocate", True)
+        and "layers" not in cache  # a fresh cache
+        and bool((tgt[:, -1] != model.pad_id).all())  # the first position can be attended to: no empty row ...
+        and bool(src_mask.any(axis=-1).all())  # ... in the self-attention, nor in the cross-attention
+    )
+
+
+class _LeanStep:
+    """The decoder's arithmetic for one new token per row, inference only: `step(token (B,), memory (B, S, d),
+    src_mask (B, 1, 1, S), cache)` -> logits (B, V), what `decode_step(token[:, None], ...)[:, -1]` returns, with
+    the cache filled the same way. Built at the first step of a search, for that search (see above)."""
+
+    def __init__(self, model):
+        self.model, self.layers = model, list(model.decoder.layers)
+        # [W_q; W_k; W_v]^T (d, 3d) and [b_q; b_k; b_v]: the new token's query, key and value in one matmul
+        self.qkv = [_fused(layer.self_attn, ("q_proj", "k_proj", "v_proj")) for layer in self.layers]
+        self.q = [_fused(layer.cross_attn, ("q_proj",)) for layer in self.layers]  # the cross-attention's queries
+        self.kv = [_fused(layer.cross_attn, ("k_proj", "v_proj")) for layer in self.layers]  # the memory's, once
+        pos, dt = model.tgt_pos, model.tgt_embed.weight.dtype
+        self.mean_of = np.full((model.d_model, 1), 1 / model.d_model, dtype=dt)  # x @ mean_of: the mean of each row
+        if hasattr(pos, "pe"):  # the sinusoidal table, in the model's dtype (as PositionalEncoding rebuilds it)
+            same = pos.pe.dtype == dt
+            self.positions = pos.pe if same else sinusoidal_positional_encoding(pos.max_len, pos.d_model, dtype=dt)
+        else:  # a learned table
+            self.positions = pos.weight.data  # (max_len, d)
+
+    def __call__(self, token: np.ndarray, memory: np.ndarray, src_mask: np.ndarray, cache: dict) -> np.ndarray:
+        m, t0 = self.model, cache.get("length", 0)
+        if t0 == 0:  # room for every position, as decode_step makes it; the searches pass the same mask each step
+            cap = min(cache.setdefault("capacity", m.max_len), m.max_len)
+            cache["layers"] = [{"self_attn": {"capacity": cap}, "cross_attn": {}} for _ in self.layers]
+            self.src_padded, self.padded = not src_mask.all(), False
+        real = token != m.pad_id  # (B,): False for the padding fed to the rows already done
+        keep = _append_one(cache, "keep", real[:, None, None, None], 3, t0)  # (B, 1, 1, T)
+        self.padded = self.padded or (m.tgt_padding_mask and not real.all())
+        hidden = ~keep if self.padded else None  # padded target keys, once there are any (the causal mask: none)
+        y = m.tgt_embed.weight.data[token]  # (B, d): one row per new token
+        if m._in_scale is not None:
+            y *= m._in_scale
+        y += self.positions[t0]
+        if m.tgt_embed_norm is not None:
+            y = self._norm(m.tgt_embed_norm, y)
+        src_hidden = ~src_mask if self.src_padded else None  # (B, 1, 1, S)
+        for i, layer in enumerate(self.layers):
+            y = self._layer(i, layer, y, memory, cache["layers"][i], hidden, src_hidden, t0)
+        if m.decoder.norm is not None:
+            y = self._norm(m.decoder.norm, y)
+        logits = y @ m.output_projection.weight.data.T  # (B, V): the new position only
+        if m._out_scale is not None:
+            logits *= logits.dtype.type(m._out_scale)
+        cache["length"] = t0 + 1
+        return logits
+
+    def _layer(self, i, layer, x, memory, cache, hidden, src_hidden, t0):
+        """DecoderLayer.forward_step in eval mode (dropout is the identity), x (B, d)."""
+        if layer.norm_first:
+            x = x + self._self_attn(i, layer.self_attn, self._norm(layer.norm1, x), cache["self_attn"], hidden, t0)
+            x = x + self._cross_attn(i, layer.cross_attn, self._norm(layer.norm2, x), memory, cache["cross_attn"],
+                                     src_hidden)  # fmt: skip
+            return x + _ffn(layer.ff, self._norm(layer.norm3, x))
+        x = self._norm(layer.norm1, x + self._self_attn(i, layer.self_attn, x, cache["self_attn"], hidden, t0))
+        x = self._norm(
+            layer.norm2, x + self._cross_attn(i, layer.cross_attn, x, memory, cache["cross_attn"], src_hidden)
+        )
+        return self._norm(layer.norm3, x + _ffn(layer.ff, x))
+
+    def _norm(self, ln, x: np.ndarray) -> np.ndarray:
+        """LayerNorm.forward over the last axis without its checks and cache; the two means (of x, then of the
+        squared deviations) as products with a column of 1/d, cheaper than NumPy's reductions on a few rows."""
+        xc = x - x @ self.mean_of  # (B, d) - (B, 1)
+        var = np.square(xc) @ self.mean_of  # biased variance (B, 1)
+        var += ln.eps
+        xc /= np.sqrt(var, out=var)
+        xc *= ln.weight.data
+        xc += ln.bias.data
+        return xc
+
+    def _self_attn(self, i, attn, x, cache, hidden, t0):
+        B, H, dk = x.shape[0], attn.n_heads, attn.d_head
+        qkv = _affine(x, *self.qkv[i]).reshape(B, 3, H, 1, dk)  # each head's query, key and value (1, dk)
+        k = _append_one(cache, "k", qkv[:, 1], 2, t0)  # (B, H, T, dk), written into the buffer
+        v = _append_one(cache, "v", qkv[:, 2], 2, t0)
+        return _attend(attn, qkv[:, 0], k, v, hidden)
+
+    def _cross_attn(self, i, attn, x, memory, cache, src_hidden):
+        B, H, dk = x.shape[0], attn.n_heads, attn.d_head
+        if "k" not in cache:  # the first step: the memory's keys and values (B, H, S, dk), for every later step
+            S = memory.shape[1]
+            kv = _affine(memory.reshape(B * S, H * dk), *self.kv[i]).reshape(B, S, 2, H, dk).transpose(2, 0, 3, 1, 4)
+            cache["k"], cache["v"] = np.ascontiguousarray(kv[0]), np.ascontiguousarray(kv[1])
+        q = _affine(x, *self.q[i]).reshape(B, H, 1, dk)
+        return _attend(attn, q, cache["k"], cache["v"], src_hidden)
+
+
+def _fused(attn, names: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray | None]:
+    """The projections `names` of `attn` as one (d_in, n * d_out) matrix (transposed: x @ W) and one bias. The
+    query projection comes out times 1/sqrt(dk) (and score_scale's 1/sqrt(H)): the scores need no scaling after."""
+    projs = [getattr(attn, n) for n in names]
+    scale = (1.0 if attn._q_scale is None else attn._q_scale) / math.sqrt(attn.d_head)
+    scales = [scale if n == "q_proj" else 1.0 for n in names]
+    w = np.concatenate([p.weight.data * c for p, c in zip(projs, scales, strict=True)], axis=0).T  # (d, n * d)
+    if all(p.bias is None for p in projs):
+        return w, None
+    zeros = np.zeros(projs[0].out_features, w.dtype)
+    return w, np.concatenate([zeros if p.bias is None else p.bias.data * c for p, c in zip(projs, scales, strict=True)])
+
+
+def _data(p):
+    return None if p is None else p.data
+
+
+def _affine(x: np.ndarray, w: np.ndarray, b: np.ndarray | None) -> np.ndarray:
+    """x @ w + b for x (N, d_in), w (d_in, d_out): Linear.forward without its checks and cache."""
+    y = x @ w
+    if b is not None:
+        y += b
+    return y
+
+
+def _attend(attn, q: np.ndarray, k: np.ndarray, v: np.ndarray, hidden: np.ndarray | None) -> np.ndarray:
+    """One query per row and head: q (B, H, 1, dk) already scaled, k, v (B, H, T, dk), hidden (B, 1, 1, T) True
+    where a key may not be seen (no row hides all) -> the attention's output (B, d): softmax(q k^T) v, out_proj."""
+    s = q @ k.transpose(0, 1, 3, 2)  # (B, H, 1, T): the scores
+    if hidden is not None:
+        np.copyto(s, -np.inf, where=hidden)
+    s -= np.maximum.reduce(s, axis=-1, keepdims=True)  # exp(s - max) as in attention_weights, in place
+    np.exp(s, out=s)
+    ctx = s @ v  # (B, H, 1, dk): the weighted sum before normalizing,
+    ctx /= np.add.reduce(s, axis=-1, keepdims=True)  # then divided by the weights' sum (dk numbers, not T)
+    ctx = ctx.reshape(q.shape[0], attn.d_model)  # (B, H, 1, dk) -> (B, d): one position: merging heads is a reshape
+    return _affine(ctx, attn.out_proj.weight.data.T, _data(attn.out_proj.bias))
+
+
+def _ffn(ff, x: np.ndarray) -> np.ndarray:
+    """PositionwiseFeedForward.forward in eval mode, x (B, d)."""
+    h = _affine(x, ff.linear1.weight.data.T, _data(ff.linear1.bias))  # (B, d_ff)
+    if ff.activation_name == "relu":
+        np.maximum(h, 0, out=h)
+    else:
+        h = ff.activation(h)
+    return _affine(h, ff.linear2.weight.data.T, _data(ff.linear2.bias))
+
+
+def _append_one(cache: dict, name: str, new: np.ndarray, axis: int, t0: int) -> np.ndarray:
+    """`cache_append` of one position t0 when its buffer has room (the usual case: a write and a view, no checks);
+    `cache_append` itself otherwise (the first step allocates the buffer)."""
+    buf, old = cache.get(name + "_buf"), cache.get(name)
+    if buf is None or buf.shape[axis] <= t0 or old is None or old.shape[axis] != t0:
+        return cache_append(cache, name, new, axis)
+    buf[_span(axis, t0, t0 + 1)] = new
+    cache[name] = buf[_span(axis, 0, t0 + 1)]
+    return cache[name]
 
 
 # -- checks -------------------------------------------------------------------------------------------------------
