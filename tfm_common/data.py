@@ -370,7 +370,7 @@ def _as_ids(name: str, seq, what: str, i: int) -> np.ndarray:
     a = np.asarray(seq)
     if a.ndim != 1:
         raise ValueError(f"{name}: pair {i}: {what} expected a 1-D sequence of ids, got shape {a.shape}")
-    if a.size and (a.dtype == np.bool_ or not np.issubdtype(a.dtype, np.integer)):
+    if a.size and a.dtype.kind not in "iu":  # signed or unsigned integers (bool is kind "b")
         raise TypeError(f"{name}: pair {i}: {what} expected integer ids, got dtype {a.dtype}")
     return a.astype(np.int64, copy=False)
 
