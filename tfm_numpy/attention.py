@@ -416,6 +416,9 @@ def make_attention(head_projection: str, d_model: int, n_heads: int, dropout: fl
 
 def check_attention(owner: str, attention, block_size) -> tuple[str, int]:
     """The attention option: "explicit" (weights formed, kept for inspection) or "flash" (tiled), and its block."""
+    if attention == "sdpa":  # the torch track's third choice, named so that the refusal says where it lives
+        raise ValueError(f"{owner}: attention='sdpa' (torch.nn.functional.scaled_dot_product_attention) exists in "
+                         f"tfm_torch only; tfm_numpy has attention in {ATTENTION}")  # fmt: skip
     return check_choice(owner, "attention", attention, ATTENTION), check_size(owner, "block_size", block_size)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tfm_common.pitfalls import HEAD_PROJECTIONS, SCORE_SCALES
@@ -18,7 +19,7 @@ from tfm_common.validate import check_choice, check_size, check_sizes
 from .decoding import cache_append
 from .flash import flash_attention
 from .layers import Dropout, Linear
-from .module import as_generator, check_dtype, check_input
+from .module import _autocast_dtype, as_generator, check_dtype, check_input
 
 __all__ = [
     "attention_weights",
@@ -35,7 +36,9 @@ __all__ = [
     "use_attention",
 ]
 
-ATTENTION = ("explicit", "flash")
+# "sdpa" (torch.nn.functional.scaled_dot_product_attention: fused kernels on a GPU) exists in this track only; the
+# NumPy track refuses it by name (tfm_numpy.attention.check_attention)
+ATTENTION = ("explicit", "flash", "sdpa")
 
 
 # -- scaled dot-product attention ----------------------------------------------------------------------------
@@ -49,7 +52,7 @@ def _check_qkv(q, k, v=None) -> None:
             continue
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name}: {arg} must be a torch.Tensor, got {type(x).__name__}")
-        if x.dtype not in (torch.float32, torch.float64):
+        if x.dtype not in (torch.float32, torch.float64) and not _autocast_dtype(x):
             raise TypeError(f"{name}: {arg} must be float32 or float64, got dtype {x.dtype}")
         if x.dtype != q.dtype:
             raise TypeError(f"{name}: q and {arg} must share a dtype, got {q.dtype} and {x.dtype}")
@@ -151,7 +154,10 @@ class MultiHeadAttention(nn.Module):
     forward(query (B, Tq, d), key (B, Tk, d), value (B, Tk, d), mask) -> (B, Tq, d); `attn_weights` keeps
     the last softmax weights (B, H, Tq, Tk), detached, before dropout. attention="flash" computes the heads with
     `flash_attention` in tiles of `block_size` (its hand-written backward; `attn_weights` stays None; no dropout
-    on the weights, so training with dropout > 0 is refused), as in tfm_numpy. score_scale="d_model" divides the
+    on the weights, so training with dropout > 0 is refused), as in tfm_numpy. attention="sdpa" (this track only)
+    calls torch.nn.functional.scaled_dot_product_attention with the same mask (its fused kernels on a GPU; a row
+    with nothing to attend to gives zeros, as here; dropout on the weights from torch's global generator, not
+    `rng`; `attn_weights` stays None). score_scale="d_model" divides the
     scores by sqrt(d_model) instead of sqrt(dk) (the queries times 1/sqrt(H)), as in tfm_numpy.
     """
 
@@ -224,9 +230,9 @@ class MultiHeadAttention(nn.Module):
         q = self._queries(query)  # (B, H, Tq, dk)
         k = self._heads(self.k_proj, key)  # (B, H, Tk, dk)
         v = self._heads(self.v_proj, value)  # (B, H, Tk, dk)
-        if self.attention == "flash":
+        if self.attention != "explicit":
             self.attn_weights = None
-            return self.out_proj(self._merge(self._flash(q, k, v, mask)))
+            return self.out_proj(self._merge(self._fused(q, k, v, mask)))
         p = attention_weights(q, k, mask)  # (B, H, Tq, Tk)
         self.attn_weights = p.detach()
         ctx = self.dropout(p) @ v  # (B, H, Tq, dk)
@@ -247,12 +253,16 @@ class MultiHeadAttention(nn.Module):
                 cache_append(cache, "k", k, axis=2)
                 cache_append(cache, "v", v, axis=2)
         q = self._queries(query)  # (B, H, Tn, dk)
-        if self.attention == "flash":
-            return self.out_proj(self._merge(self._flash(q, cache["k"], cache["v"], mask)))
+        if self.attention != "explicit":
+            return self.out_proj(self._merge(self._fused(q, cache["k"], cache["v"], mask)))
         p = attention_weights(q, cache["k"], mask)  # (B, H, Tn, T)
         return self.out_proj(self._merge(self.dropout(p) @ cache["v"]))  # (B, Tn, d)
 
-    def _flash(self, q, k, v, mask) -> torch.Tensor:
+    def _fused(self, q, k, v, mask) -> torch.Tensor:
+        """The heads' softmax(q k^T / sqrt(dk)) v without keeping the weights: tiled ("flash") or torch's ("sdpa")."""
+        if self.attention == "sdpa":
+            p = self.dropout.p if self.training else 0.0
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)  # (B, H, Tq, dk)
         if self.training and self.dropout.p > 0:
             raise ValueError(
                 f"MultiHeadAttention: attention='flash' has no dropout on the attention weights, got dropout="
@@ -262,6 +272,7 @@ class MultiHeadAttention(nn.Module):
 
     def extra_repr(self) -> str:
         flash = f", attention='flash', block_size={self.block_size}" if self.attention == "flash" else ""
+        flash = ", attention='sdpa'" if self.attention == "sdpa" else flash
         scale = ", score_scale='d_model'" if self.score_scale == "d_model" else ""
         return f"d_model={self.d_model}, n_heads={self.n_heads}{flash}{scale}"
 
@@ -287,12 +298,13 @@ def make_attention(head_projection: str, d_model: int, n_heads: int, dropout: fl
 
 
 def check_attention(owner: str, attention, block_size) -> tuple[str, int]:
-    """The attention option: "explicit" (weights formed, kept for inspection) or "flash" (tiled), and its block."""
+    """The attention option: "explicit" (weights formed, kept for inspection), "flash" (tiled) or "sdpa" (torch's
+    fused kernels; this track only), and the tile size."""
     return check_choice(owner, "attention", attention, ATTENTION), check_size(owner, "block_size", block_size)
 
 
 def use_attention(model, attention: str = "explicit", block_size: int = 64):
-    """Switch every MultiHeadAttention inside `model` to `attention` ("explicit" or "flash") with `block_size`;
+    """Switch every MultiHeadAttention inside `model` to `attention` ("explicit", "flash" or "sdpa") with `block_size`;
     returns the model (as tfm_numpy.use_attention)."""
     attention, block_size = check_attention("use_attention", attention, block_size)
     for m in model.modules():

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from .functional import log_softmax
-from .module import check_indices, check_input, check_probability
+from .module import _autocast_dtype, check_indices, check_input, check_probability
 
 __all__ = ["CrossEntropyLoss"]
 
@@ -44,6 +44,8 @@ class CrossEntropyLoss(nn.Module):
             torch.ones_like(targets, dtype=torch.bool) if self.ignore_index is None else targets != self.ignore_index
         )
         t = torch.where(valid, targets, 0).long()  # (...,) any class at ignored positions: masked below
+        if _autocast_dtype(logits):  # bfloat16/float16 logits under torch.autocast: the loss in float32
+            logits = logits.float()
         logp = log_softmax(logits)  # (..., V)
         nll = -logp.gather(-1, t.unsqueeze(-1)).squeeze(-1)  # (...,)
         per_pos = (1 - eps) * nll - eps * logp.mean(dim=-1) if eps else nll

@@ -1,0 +1,200 @@
+"""The torch track training at the paper's base size on a GPU, against torch.nn.Transformer, in one run.
+
+Run from the repository root on a machine with a CUDA GPU (torch and numpy only; our packages come from this
+checkout):
+
+    python benchmarks/gpu_train.py --out benchmarks/results/gpu_train_h200.json
+    python benchmarks/gpu_train.py --device cpu --quick --out /tmp/smoke.json     # a smoke test without a GPU
+
+It measures, and stores in one JSON file (read by chapter 15):
+  1. the device's bfloat16 matmul rate (8192^3, and the model's own largest product): the ceiling for MFU;
+  2. whole training steps (forward, cross-entropy, backward, Adam) of the base model (d_model 512, 8 heads,
+     d_ff 2048, 6 + 6 layers, dropout 0, shared vocabulary of 8000) on one batch of B x T source and target
+     tokens (96 x 256: 24,576 + 24,576 tokens, the paper's ~25,000 + 25,000), for
+       ours    tfm_torch.Transformer, float32 with our explicit attention; then under bfloat16 autocast with
+               explicit attention, with attention="sdpa" (torch's fused kernels), and with attention="sdpa"
+               after torch.compile;
+       torch.nn  tpt.to_torch_nn_transformer of the same model (the same weights, embeddings and output layer,
+               torch.nn.Transformer in between): float32, bfloat16 autocast, and bfloat16 autocast compiled;
+     each step's time (median of CUDA-event timings), tokens per second, model FLOP/s (matmul FLOPs of
+     benchmarks/bench.py, training = 3 x forward) and MFU (that rate / the measured bf16 matmul rate);
+  3. the fastest configuration again with the paper's vocabulary size (37,000), from which the paper's base run
+     (100,000 steps of ~25,000 + 25,000 tokens; 12 hours on 8 P100 GPUs) is timed on this one GPU.
+Cases are run in order under a time budget (--budget-s); a case that does not fit is recorded as skipped. The JSON
+is rewritten after every case, so an interrupted run keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from gpu_attention import describe_error, device_info, peak_memory_mb, sync, time_ms  # noqa: E402
+
+import tfm_torch as tpt  # noqa: E402
+
+BASE = dict(d_model=512, n_heads=8, d_ff=2048, n_layers=6)
+TINY = dict(d_model=32, n_heads=4, d_ff=64, n_layers=2)  # --quick
+
+
+def train_flops(c: dict, vocab: int, batch: int, length: int) -> int:
+    """Matmul FLOPs of one training step (3 x forward), counted as benchmarks/bench.py counts them (the causal
+    score matrix counted whole)."""
+    d, d_ff, n = c["d_model"], c["d_ff"], batch * length
+    enc = 2 * n * (4 * d * d + 2 * d * d_ff) + 4 * n * length * d
+    dec = enc + 2 * n * 4 * d * d + 4 * n * length * d  # plus cross-attention's projections and scores
+    return 3 * (c["n_layers"] * (enc + dec) + 2 * n * d * vocab)
+
+
+def matmul_rate(device: str, m: int, k: int, n: int, repeats: int) -> dict:
+    """bfloat16 (m x k) @ (k x n) on random data: TFLOP/s from the median CUDA-event time."""
+    g = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(m, k, generator=g, device=device, dtype=torch.bfloat16)
+    b = torch.randn(k, n, generator=g, device=device, dtype=torch.bfloat16)
+    t = time_ms(lambda: a @ b, device, repeats, warmup=3)
+    return {"shape": [m, k, n], **t, "tflops": 2 * m * k * n / (t["median_ms"] * 1e9)}
+
+
+def make_models(c: dict, vocab: int, length: int, device: str):
+    """Ours and torch.nn's, the same weights (built on the CPU from one seed, then moved)."""
+    ours = tpt.Transformer(vocab, vocab, c["d_model"], c["n_heads"], c["d_ff"], c["n_layers"], dropout=0.0,
+                           max_len=length + 1, rng=0)  # fmt: skip
+    ref = tpt.to_torch_nn_transformer(ours)
+    return ours.to(device), ref.to(device)
+
+
+def make_step(model, src, tgt, device: str, autocast: bool, compiled: str | None):
+    """One training step as a closure: zero_grad, forward (autocast or not), our cross-entropy, backward, Adam.
+    compiled: None (eager), "model" (torch.compile(model)), "model+loss" (the forward and the loss compiled as one
+    function: the (B, T, V) logits never leave the graph), "model+loss max-autotune" (the same, with inductor
+    timing its candidate kernels for every matmul)."""
+    opt, loss_fn = tpt.make_adam(model, lr=1e-4), tpt.CrossEntropyLoss(ignore_index=0)
+
+    def forward_loss(src, tgt):
+        return loss_fn(model(src, tgt[:, :-1]), tgt[:, 1:])
+
+    if compiled == "model":
+        model = torch.compile(model)
+    elif compiled:
+        forward_loss = torch.compile(
+            forward_loss, mode="max-autotune-no-cudagraphs" if "autotune" in compiled else None
+        )
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=autocast):
+            loss = forward_loss(src, tgt)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return step
+
+
+CASES = [  # (model, precision, attention, compiled, vocabulary, batch multiple of the base batch)
+    ("ours", "float32", "explicit", None, 8000, 1),
+    ("ours", "bf16 autocast", "explicit", None, 8000, 1),
+    ("ours", "bf16 autocast", "sdpa", None, 8000, 1),
+    ("torch.nn", "float32", "torch.nn", None, 8000, 1),
+    ("torch.nn", "bf16 autocast", "torch.nn", None, 8000, 1),
+    ("ours", "bf16 autocast", "sdpa", "model", 8000, 1),
+    ("torch.nn", "bf16 autocast", "torch.nn", "model", 8000, 1),
+    ("ours", "bf16 autocast", "sdpa", "model+loss", 8000, 1),
+    ("torch.nn", "bf16 autocast", "torch.nn", "model+loss", 8000, 1),
+    ("ours", "bf16 autocast", "sdpa", "model+loss", 37000, 1),
+    ("ours", "bf16 autocast", "sdpa", "model+loss", 8000, 2),
+]  # mode="max-autotune-no-cudagraphs" was tried on an H200 (2026-11-26): still autotuning after 4 minutes, and
+# it kept cuBLAS for the largest products; make_step still accepts it ("model+loss max-autotune")
+
+
+def run_case(case, c, batch, length, device, repeats, peak) -> dict:
+    who, precision, attention, compiled, vocab, times = case
+    batch *= times
+    row = {"model": who, "precision": precision, "attention": attention, "compiled": compiled, "vocab": vocab,
+           "batch": batch, "length": length, "flops": train_flops(c, vocab, batch, length)}  # fmt: skip
+    step = None
+    try:
+        ours, ref = make_models(c, vocab, length, device)
+        model = ours if who == "ours" else ref
+        if who == "ours":
+            tpt.use_attention(model, attention)
+        g = np.random.default_rng(1)
+        src = torch.from_numpy(g.integers(3, vocab, (batch, length))).to(device)
+        tgt = torch.from_numpy(g.integers(3, vocab, (batch, length + 1))).to(device)
+        step = make_step(model, src, tgt, device, precision != "float32", compiled)
+        t0 = time.perf_counter()
+        row["first_loss"] = float(step())  # the compile, if any, happens here
+        sync(device)
+        row["first_step_s"] = time.perf_counter() - t0
+        row["step"] = time_ms(step, device, repeats)
+        row["tokens_per_s"] = 2 * batch * length / (row["step"]["median_ms"] / 1e3)  # source + target tokens
+        row["tflops"] = row["flops"] / (row["step"]["median_ms"] * 1e9)
+        row["mfu"] = row["tflops"] / peak if peak else None
+        row["peak_memory_mb"] = peak_memory_mb(step, device)
+    except Exception as e:  # noqa: BLE001 - out of memory or anything else: noted in the JSON, go on
+        row["error"] = describe_error(e)
+    finally:
+        step = ours = ref = model = None
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    return row
+
+
+def describe(row: dict) -> str:
+    head = f"  {row['model']:8s} {row['precision']:13s} {row['attention']:8s} {row['compiled']!s:24s} " \
+           f"V={row['vocab']:5d} B={row['batch']:3d}"  # fmt: skip
+    if "step" not in row:
+        return f"{head}  {row.get('error', 'skipped')}"
+    mfu = f"  MFU {100 * row['mfu']:5.1f}%" if row["mfu"] else ""
+    return (f"{head}  {row['step']['median_ms']:8.2f} ms  {row['tokens_per_s'] / 1e3:8.0f} k tok/s  "
+            f"{row['tflops']:7.1f} TFLOP/s{mfu}  first step {row['first_step_s']:5.1f} s")  # fmt: skip
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda", help="cuda (default) or cpu (a smoke test)")
+    p.add_argument("--quick", action="store_true", help="a tiny model and batch, few repeats")
+    p.add_argument("--budget-s", type=float, default=420.0, help="start no case after this many seconds")
+    p.add_argument("--out", required=True, help="JSON path")
+    args = p.parse_args(argv)
+    dev = args.device
+    if dev.startswith("cuda") and not torch.cuda.is_available():
+        sys.exit("gpu_train.py: no CUDA device (torch.cuda.is_available() is False); --device cpu smoke-tests")
+    c, (batch, length), repeats = (TINY, (4, 16), 3) if args.quick else (BASE, (96, 256), 10)
+    t0, out = time.perf_counter(), Path(args.out)
+    res = {"info": device_info(dev), "created": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(sys.argv),
+           "config": {**c, "dropout": 0.0, "batch": batch, "length": length}}  # fmt: skip
+    res["info"]["triton"] = getattr(sys.modules.get("triton"), "__version__", None)
+    print(f"device: {res['info']['name']}; torch {res['info']['torch']}", flush=True)
+    big = (512, 512, 512) if args.quick else (8192, 8192, 8192)
+    mine = (batch * length, c["d_model"], c["d_ff"])
+    res["matmul_bf16"] = [matmul_rate(dev, *s, repeats) for s in (big, mine)] if dev.startswith("cuda") else []
+    peak = res["matmul_bf16"][0]["tflops"] if res["matmul_bf16"] else None
+    for m in res["matmul_bf16"]:
+        print(f"  bf16 matmul {m['shape']}: {m['tflops']:.0f} TFLOP/s", flush=True)
+    res["train_step"] = []
+    for case in CASES:
+        if time.perf_counter() - t0 > args.budget_s:
+            keys = ("model", "precision", "attention", "compiled", "vocab", "batch")
+            row = dict(zip(keys, case[:5] + (batch * case[5],), strict=True))
+            row["skipped"] = f"over the {args.budget_s:.0f} s budget"
+        else:
+            row = run_case(case, c, batch, length, dev, repeats, peak)
+        res["train_step"].append(row)
+        print(describe(row), flush=True)
+        res["seconds"] = time.perf_counter() - t0
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(res, indent=1) + "\n")
+    print(f"stored in {out} ({res['seconds']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

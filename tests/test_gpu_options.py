@@ -1,0 +1,109 @@
+"""The torch track's GPU options, checked on the CPU: attention="sdpa" (torch's fused attention) equals the explicit
+attention in float64, outputs and every gradient, masks and empty rows included; the NumPy track refuses it by
+name; bfloat16 autocast runs the whole model with the loss in float32; torch.compile traces the model unchanged.
+The speed of these options on a GPU is measured in benchmarks/gpu_train.py, not here."""
+
+import numpy as np
+import pytest
+import torch
+
+import tfm_numpy as tn
+import tfm_torch as tt
+
+V, PAD, BOS, EOS = 13, 0, 1, 2
+SRC = torch.tensor([[3, 7, 4, 9, 5], [6, 10, 4, PAD, PAD]])
+TGT = torch.tensor([[BOS, 4, 8, 3, 6, 5], [BOS, 6, 3, EOS, PAD, PAD]])
+
+
+def model(attention="explicit", dtype=torch.float64, dropout=0.0):
+    m = tt.Transformer(V, V, 16, 4, 32, 2, dropout=dropout, max_len=16, rng=0, dtype=dtype, attention=attention)
+    return m.eval()
+
+
+def grads(m) -> dict:
+    m.zero_grad(set_to_none=True)
+    loss = tt.CrossEntropyLoss(ignore_index=PAD)(m(SRC, TGT[:, :-1]), TGT[:, 1:])
+    loss.backward()
+    return {"loss": loss.detach(), **{k: p.grad for k, p in m.named_parameters()}}
+
+
+def test_sdpa_equals_explicit_attention_on_outputs_and_every_gradient_float64():
+    ref, fused = model(), model("sdpa")
+    ref.train(), fused.train()  # dropout 0: training mode changes nothing but exercises that path
+    a, b = grads(ref), grads(fused)
+    assert a.keys() == b.keys() and len(a) > 40
+    for k in a:
+        assert torch.allclose(a[k], b[k], rtol=1e-10, atol=1e-12), k
+    assert all(m.attn_weights is None for m in fused.modules() if isinstance(m, tt.MultiHeadAttention))
+
+
+def test_sdpa_gives_zeros_on_rows_with_nothing_to_attend_to_as_explicit():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 4, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    mask = torch.ones(2, 1, 4, 4, dtype=torch.bool)
+    mask[1, 0, 2] = False  # query 2 of the second sequence sees nothing
+    outs = []
+    for attention in ("explicit", "sdpa"):
+        mha = tt.MultiHeadAttention(8, 2, rng=0, dtype=torch.float64, attention=attention)
+        y = mha(x, x, x, mask)
+        (gx,) = torch.autograd.grad(y.square().sum(), x)
+        outs.append((y.detach(), gx))
+    for a, b in zip(*outs, strict=True):
+        assert torch.allclose(a, b, rtol=1e-10, atol=1e-12)
+    out_proj_bias = tt.MultiHeadAttention(8, 2, rng=0, dtype=torch.float64).out_proj.bias
+    assert torch.allclose(outs[1][0][1, 2], out_proj_bias.detach())  # zero context: only the output bias
+
+
+def test_sdpa_decodes_the_same_tokens_with_the_cache():
+    ref, fused = model(), model("sdpa")
+    for use_cache in (True, False):
+        a = tt.greedy_decode(ref, SRC, BOS, EOS, 8, use_cache=use_cache)
+        b = tt.greedy_decode(fused, SRC, BOS, EOS, 8, use_cache=use_cache)
+        assert torch.equal(a, b)
+
+
+def test_sdpa_trains_with_attention_dropout():
+    m = model("sdpa", dropout=0.3).train()  # the dropout mask comes from torch's global generator
+    torch.manual_seed(0)
+    grads(m)
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.parameters())
+
+
+def test_sdpa_is_a_torch_only_option_refused_by_numpy_with_its_name():
+    assert "sdpa" in tt.ATTENTION and "sdpa" not in tn.ATTENTION
+    with pytest.raises(ValueError, match=r"MultiHeadAttention: attention='sdpa' .* exists in tfm_torch only"):
+        tn.MultiHeadAttention(8, 2, attention="sdpa")
+    with pytest.raises(ValueError, match=r"use_attention: attention='sdpa' .* tfm_numpy has attention in"):
+        tn.use_attention(tn.MultiHeadAttention(8, 2), "sdpa")
+    m = tt.use_attention(model(), "sdpa")
+    assert "attention='sdpa'" in repr(m.encoder.layers[0].self_attn)
+
+
+def test_bfloat16_autocast_runs_the_model_with_a_float32_loss_close_to_float32():
+    m = model(dtype=torch.float32, attention="sdpa")
+    loss_fn = tt.CrossEntropyLoss(ignore_index=PAD)
+    full = loss_fn(m(SRC, TGT[:, :-1]), TGT[:, 1:])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = m(SRC, TGT[:, :-1])
+        loss = loss_fn(logits, TGT[:, 1:])
+    assert logits.dtype == torch.bfloat16 and loss.dtype == torch.float32
+    assert abs(loss.item() - full.item()) < 0.05 * full.item()
+    loss.backward()
+    assert all(p.grad.dtype == torch.float32 for p in m.parameters())  # parameters and gradients stay float32
+
+
+def test_half_precision_inputs_are_still_refused_outside_autocast():
+    mha = tt.MultiHeadAttention(8, 2, rng=0)
+    x = torch.zeros(1, 3, 8, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match=r"MultiHeadAttention: query: expected a float32 or float64 tensor"):
+        mha(x, x, x)
+    with pytest.raises(TypeError, match=r"q must be float32 or float64, got dtype torch.bfloat16"):
+        tt.scaled_dot_product_attention(x, x, x)
+
+
+def test_torch_compile_traces_the_model_to_the_same_logits():
+    torch._dynamo.reset()
+    m = model(attention="sdpa")
+    compiled = torch.compile(m, backend="eager")  # dynamo's tracing without code generation: fast, CPU-only
+    assert torch.allclose(compiled(SRC, TGT[:, :-1]), m(SRC, TGT[:, :-1]), rtol=0, atol=0)
+    np.testing.assert_array_equal(tt.greedy_decode(compiled, SRC, BOS, EOS, 6), tt.greedy_decode(m, SRC, BOS, EOS, 6))
