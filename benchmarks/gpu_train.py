@@ -143,6 +143,7 @@ def run_case(case, c, batch, length, device, repeats, peak) -> dict:
         row["error"] = describe_error(e)
     finally:
         step = ours = ref = model = None
+        torch._dynamo.reset()  # each case compiles afresh: no graph or dynamic-shape decision carried over
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
     return row
@@ -172,7 +173,7 @@ def main(argv=None) -> None:
     t0, out = time.perf_counter(), Path(args.out)
     res = {"info": device_info(dev), "created": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(sys.argv),
            "config": {**c, "dropout": 0.0, "batch": batch, "length": length}}  # fmt: skip
-    res["info"]["triton"] = getattr(sys.modules.get("triton"), "__version__", None)
+    res["info"]["triton"] = getattr(sys.modules.get("triton"), "__version__", None)  # imported by torch.compile
     print(f"device: {res['info']['name']}; torch {res['info']['torch']}", flush=True)
     big = (512, 512, 512) if args.quick else (8192, 8192, 8192)
     mine = (batch * length, c["d_model"], c["d_ff"])
