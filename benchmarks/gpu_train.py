@@ -35,6 +35,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+import bench  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from gpu_attention import describe_error, device_info, peak_memory_mb, sync, time_ms  # noqa: E402
@@ -46,12 +47,9 @@ TINY = dict(d_model=32, n_heads=4, d_ff=64, n_layers=2)  # --quick
 
 
 def train_flops(c: dict, vocab: int, batch: int, length: int) -> int:
-    """Matmul FLOPs of one training step (3 x forward), counted as benchmarks/bench.py counts them (the causal
-    score matrix counted whole)."""
-    d, d_ff, n = c["d_model"], c["d_ff"], batch * length
-    enc = 2 * n * (4 * d * d + 2 * d * d_ff) + 4 * n * length * d
-    dec = enc + 2 * n * 4 * d * d + 4 * n * length * d  # plus cross-attention's projections and scores
-    return 3 * (c["n_layers"] * (enc + dec) + 2 * n * d * vocab)
+    """Matmul FLOPs of one training step (3 x forward), counted by benchmarks/bench.py's formula (chapter 15 checks
+    it against the shapes the NumPy track multiplies; the causal score matrix is counted whole)."""
+    return bench.train_flops(dict(c, vocab=vocab, batch=batch, length=length))
 
 
 def matmul_rate(device: str, m: int, k: int, n: int, repeats: int) -> dict:
