@@ -35,8 +35,9 @@ lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# Two test processes with one thread each (the tests' arrays are small: they wait on Python, not on BLAS).
 unit: venv
-	$(BIN)/pytest tests -q
+	OMP_NUM_THREADS=1 $(BIN)/pytest tests -q -n 2
 
 # Strict notebook tests in two passes. The chapters that train in float32 with two BLAS/torch threads (their
 # numbers depend on it) and the benchmark chapter run one at a time; every other chapter sets its own threads or
