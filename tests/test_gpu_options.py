@@ -107,3 +107,10 @@ def test_torch_compile_traces_the_model_to_the_same_logits():
     compiled = torch.compile(m, backend="eager")  # dynamo's tracing without code generation: fast, CPU-only
     assert torch.allclose(compiled(SRC, TGT[:, :-1]), m(SRC, TGT[:, :-1]), rtol=0, atol=0)
     np.testing.assert_array_equal(tt.greedy_decode(compiled, SRC, BOS, EOS, 6), tt.greedy_decode(m, SRC, BOS, EOS, 6))
+
+
+@pytest.mark.parametrize("lib", [tn, tt], ids=["numpy", "torch"])
+def test_use_attention_refuses_a_model_with_no_multi_head_attention(lib):
+    gpt = lib.GPT(50, 16, 4, 32, 2, 20, rng=0)  # grouped-query attention: its own heads, no MultiHeadAttention
+    with pytest.raises(ValueError, match=r"use_attention: GPT has no MultiHeadAttention to switch to 'flash'"):
+        lib.use_attention(gpt, "flash")

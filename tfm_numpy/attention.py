@@ -426,7 +426,11 @@ def use_attention(model, attention: str = "explicit", block_size: int = 64):
     """Switch every MultiHeadAttention inside `model` to `attention` ("explicit" or "flash") with `block_size`;
     returns the model. The weights are untouched: only how the heads compute softmax(q k^T / sqrt(dk)) v."""
     attention, block_size = check_attention("use_attention", attention, block_size)
+    switched = 0
     for _, m in model.named_modules():
         if isinstance(m, MultiHeadAttention):
             m.attention, m.block_size = attention, block_size
+            switched += 1
+    if not switched:  # e.g. a GPT: its GroupedQueryAttention computes its own heads; nothing would change
+        raise ValueError(f"use_attention: {type(model).__name__} has no MultiHeadAttention to switch to {attention!r}")
     return model

@@ -307,7 +307,11 @@ def use_attention(model, attention: str = "explicit", block_size: int = 64):
     """Switch every MultiHeadAttention inside `model` to `attention` ("explicit", "flash" or "sdpa") with `block_size`;
     returns the model (as tfm_numpy.use_attention)."""
     attention, block_size = check_attention("use_attention", attention, block_size)
+    switched = 0
     for m in model.modules():
         if isinstance(m, MultiHeadAttention):
             m.attention, m.block_size = attention, block_size
+            switched += 1
+    if not switched:  # e.g. a GPT: its GroupedQueryAttention computes its own heads; nothing would change
+        raise ValueError(f"use_attention: {type(model).__name__} has no MultiHeadAttention to switch to {attention!r}")
     return model
