@@ -38,6 +38,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+import bench  # noqa: E402  (benchmarks/ is on the path: this script's own folder)
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -212,12 +213,8 @@ def make_step(device: str, batch: int, length: int, attention: str):
 
 
 def train_flops(batch: int, length: int) -> int:
-    """The FLOP count of benchmarks/bench.py (matmuls only, training step = 3 x forward)."""
-    c = BASE
-    d, d_ff, B, T = c["d_model"], c["d_ff"], batch, length
-    enc = 2 * B * T * (4 * d * d + 2 * d * d_ff) + 4 * B * T * T * d
-    dec = 2 * B * T * (4 * d * d + 2 * d * d_ff) + 4 * B * T * T * d + 2 * B * T * 4 * d * d + 4 * B * T * T * d
-    return 3 * (c["n_layers"] * (enc + dec) + 2 * B * T * d * c["vocab"])
+    """The FLOP count of benchmarks/bench.py (matmuls only, training step = 3 x forward), for BASE."""
+    return bench.train_flops(dict(BASE, batch=batch, length=length))
 
 
 def bench_training(device: str, cases: list[tuple], repeats: int) -> list[dict]:

@@ -271,10 +271,9 @@ class MultiHeadAttention(nn.Module):
         return flash_attention(q, k, v, mask, block_size=self.block_size)[0]  # (B, H, Tq, dk)
 
     def extra_repr(self) -> str:
-        flash = f", attention='flash', block_size={self.block_size}" if self.attention == "flash" else ""
-        flash = ", attention='sdpa'" if self.attention == "sdpa" else flash
+        impl = {"flash": f", attention='flash', block_size={self.block_size}", "sdpa": ", attention='sdpa'"}
         scale = ", score_scale='d_model'" if self.score_scale == "d_model" else ""
-        return f"d_model={self.d_model}, n_heads={self.n_heads}{flash}{scale}"
+        return f"d_model={self.d_model}, n_heads={self.n_heads}{impl.get(self.attention, '')}{scale}"
 
 
 class SharedHeadProjectionAttention(MultiHeadAttention):
