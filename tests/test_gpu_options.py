@@ -114,3 +114,76 @@ def test_use_attention_refuses_a_model_with_no_multi_head_attention(lib):
     gpt = lib.GPT(50, 16, 4, 32, 2, 20, rng=0)  # grouped-query attention: its own heads, no MultiHeadAttention
     with pytest.raises(ValueError, match=r"use_attention: GPT has no MultiHeadAttention to switch to 'flash'"):
         lib.use_attention(gpt, "flash")
+
+
+def _training_loss(m, lm: bool):
+    loss_fn = tt.CrossEntropyLoss(ignore_index=PAD)
+    if lm:  # the GPT: next-token loss on the target rows
+        return lambda tgt: loss_fn(m(tgt[:, :-1]), tgt[:, 1:])
+    return lambda tgt: loss_fn(m(SRC, tgt[:, :-1]), tgt[:, 1:])
+
+
+@pytest.mark.parametrize(
+    "make, lm",
+    [
+        (lambda: model("explicit", dropout=0.1), False),
+        (lambda: model("sdpa", dropout=0.1), False),
+        (lambda: tt.GPT(V, 16, 4, 32, 2, 16, dropout=0.1, rng=0, dtype=torch.float64), True),
+        (
+            lambda: tt.GPT(
+                V,
+                16,
+                4,
+                32,
+                2,
+                16,
+                0.1,
+                norm="rmsnorm",
+                positional="rope",
+                activation="swiglu",
+                n_kv_heads=2,
+                rng=0,
+                dtype=torch.float64,
+            ),
+            True,
+        ),  # fmt: skip
+    ],
+    ids=["explicit", "sdpa", "gpt", "gpt-modern"],
+)
+def test_torch_compile_takes_a_training_step_as_one_graph(make, lm):
+    # No graph break from the token-id checks (done inside the graph when compiling) nor from dropout (drawn from
+    # torch's global generator when compiling): fullgraph=True raises at the first break. With padding, in training.
+    torch._dynamo.reset()
+    m = make().train()
+    step = torch.compile(_training_loss(m, lm), backend="eager", fullgraph=True)
+    torch.manual_seed(0)
+    loss = step(TGT)
+    loss.backward()
+    assert torch.isfinite(loss) and all(p.grad is not None for p in m.parameters() if p.requires_grad)
+    m.eval()  # no dropout: the compiled function and the eager model give the same loss
+    assert torch.allclose(step(TGT), _training_loss(m, lm)(TGT), rtol=1e-12, atol=0)
+
+
+def test_compiled_dropout_keeps_one_minus_p_of_the_entries_from_the_global_generator():
+    torch._dynamo.reset()
+    drop = tt.Dropout(0.25, rng=0).train()
+    compiled = torch.compile(drop, backend="eager", fullgraph=True)
+    x = torch.ones(200, 500, dtype=torch.float64)
+    torch.manual_seed(1)
+    y = compiled(x)
+    kept = (y != 0).double().mean().item()
+    assert abs(kept - 0.75) < 0.01 and torch.allclose(y[y != 0], torch.full_like(y[y != 0], 1 / 0.75))
+    torch.manual_seed(1)
+    assert torch.equal(compiled(x), y)  # reproducible from torch.manual_seed
+
+
+def test_compiled_model_still_refuses_token_ids_out_of_range():
+    torch._dynamo.reset()
+    m = model("sdpa")
+    compiled = torch.compile(m, backend="eager", fullgraph=True)
+    bad = SRC.clone()
+    bad[0, 0] = V
+    with pytest.raises(ValueError, match=r"values must be in \[0, 13\), got 13"):
+        m(bad, TGT[:, :-1])  # eager: the offending value in the message
+    with pytest.raises(RuntimeError, match=r"values must be in \[0, 13\)"):
+        compiled(bad, TGT[:, :-1])  # compiled: checked inside the graph

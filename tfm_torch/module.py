@@ -63,8 +63,14 @@ def check_indices(name: str, x, high: int, ignore: int | None = None) -> torch.T
     bad = (x < 0) | (x >= high)
     if ignore is not None:
         bad &= x != ignore
+    allowed = f"[0, {high})" + (f" or {ignore}" if ignore is not None else "")
+    if torch.compiler.is_compiling():
+        # Under torch.compile, `if bad.any()` would branch on a tensor's value: the graph would break here (and on a
+        # GPU the CPU would wait for the answer). The same check goes into the graph instead, evaluated where the
+        # tensor lives; it raises a RuntimeError with this message (without the offending value) when it fails.
+        torch._assert_async(~bad.any(), f"{name}: values must be in {allowed}")
+        return x
     if bad.any():
-        allowed = f"[0, {high})" + (f" or {ignore}" if ignore is not None else "")
         raise ValueError(f"{name}: values must be in {allowed}, got {x[bad][0].item()} (and {int(bad.sum()) - 1} more)")
     return x
 
