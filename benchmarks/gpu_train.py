@@ -61,20 +61,26 @@ def matmul_rate(device: str, m: int, k: int, n: int, repeats: int) -> dict:
     return {"shape": [m, k, n], **t, "tflops": 2 * m * k * n / (t["median_ms"] * 1e9)}
 
 
-def make_models(c: dict, vocab: int, length: int, device: str):
+def make_models(c: dict, vocab: int, length: int, device: str, dropout: float = 0.0):
     """Ours and torch.nn's, the same weights (built on the CPU from one seed, then moved)."""
-    ours = tpt.Transformer(vocab, vocab, c["d_model"], c["n_heads"], c["d_ff"], c["n_layers"], dropout=0.0,
+    ours = tpt.Transformer(vocab, vocab, c["d_model"], c["n_heads"], c["d_ff"], c["n_layers"], dropout=dropout,
                            max_len=length + 1, rng=0)  # fmt: skip
     ref = tpt.to_torch_nn_transformer(ours)
     return ours.to(device), ref.to(device)
 
 
-def make_step(model, src, tgt, device: str, autocast: bool, compiled: str | None):
+def make_step(model, src, tgt, device: str, autocast: bool, compiled: str | None, adam: str = "foreach"):
     """One training step as a closure: zero_grad, forward (autocast or not), our cross-entropy, backward, Adam.
     compiled: None (eager), "model" (torch.compile(model)), "model+loss" (the forward and the loss compiled as one
     function: the (B, T, V) logits never leave the graph), "model+loss max-autotune" (the same, with inductor
-    timing its candidate kernels for every matmul)."""
-    opt, loss_fn = tpt.make_adam(model, lr=1e-4), tpt.CrossEntropyLoss(ignore_index=0)
+    timing its candidate kernels for every matmul), "model+loss cudagraphs" (mode="reduce-overhead": the whole
+    forward and backward replayed as CUDA graphs, no kernel launched one by one from Python).
+    adam: "foreach" (tpt.make_adam: torch.optim.Adam's default on a GPU) or "fused" (one kernel, fused=True)."""
+    loss_fn = tpt.CrossEntropyLoss(ignore_index=0)
+    if adam == "fused":
+        opt = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True)
+    else:
+        opt = tpt.make_adam(model, lr=1e-4)
 
     def forward_loss(src, tgt):
         return loss_fn(model(src, tgt[:, :-1]), tgt[:, 1:])
@@ -82,11 +88,13 @@ def make_step(model, src, tgt, device: str, autocast: bool, compiled: str | None
     if compiled == "model":
         model = torch.compile(model)
     elif compiled:
-        forward_loss = torch.compile(
-            forward_loss, mode="max-autotune-no-cudagraphs" if "autotune" in compiled else None
-        )
+        modes = {"model+loss": None, "model+loss max-autotune": "max-autotune-no-cudagraphs"}
+        forward_loss = torch.compile(forward_loss, mode=modes.get(compiled, "reduce-overhead"))
+    graphs = compiled == "model+loss cudagraphs"
 
     def step():
+        if graphs:  # a new iteration: the graph's outputs of the last one (its loss) may be overwritten
+            torch.compiler.cudagraph_mark_step_begin()
         opt.zero_grad(set_to_none=True)
         with torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=autocast):
             loss = forward_loss(src, tgt)
@@ -97,7 +105,8 @@ def make_step(model, src, tgt, device: str, autocast: bool, compiled: str | None
     return step
 
 
-CASES = [  # (model, precision, attention, compiled, vocabulary, batch multiple of the base batch)
+KEYS = ("model", "precision", "attention", "compiled", "vocab", "batch", "dropout", "adam")
+CASES = [  # KEYS, with the batch as a multiple of the base batch; dropout 0 and foreach Adam unless given
     ("ours", "float32", "explicit", None, 8000, 1),
     ("ours", "bf16 autocast", "explicit", None, 8000, 1),
     ("ours", "bf16 autocast", "sdpa", None, 8000, 1),
@@ -109,25 +118,42 @@ CASES = [  # (model, precision, attention, compiled, vocabulary, batch multiple 
     ("torch.nn", "bf16 autocast", "torch.nn", "model+loss", 8000, 1),
     ("ours", "bf16 autocast", "sdpa", "model+loss", 37000, 1),
     ("ours", "bf16 autocast", "sdpa", "model+loss", 8000, 2),
+]
+# --cases mfu: what was left untried for 40% MFU (chapter 15), in order of priority, with torch.nn's eager baseline
+# first so that the ratio comes from the same run. The torch track is one graph under torch.compile since
+# 2026-11-26 (no break at the token-id checks or at dropout), so CUDA graphs can take the whole step.
+MFU_CASES = [
+    ("torch.nn", "bf16 autocast", "torch.nn", None, 8000, 1),
+    ("ours", "bf16 autocast", "sdpa", "model+loss", 8000, 1),
+    ("ours", "bf16 autocast", "sdpa", "model+loss cudagraphs", 8000, 1, 0.0, "fused"),
+    ("ours", "bf16 autocast", "sdpa", "model+loss cudagraphs", 8000, 2, 0.0, "fused"),
+    ("ours", "bf16 autocast", "sdpa", "model+loss cudagraphs", 8000, 4, 0.0, "fused"),
+    ("ours", "bf16 autocast", "sdpa", "model+loss cudagraphs", 37000, 1, 0.1, "fused"),  # the paper's run
 ]  # mode="max-autotune-no-cudagraphs" was tried on an H200 (2026-11-26): still autotuning after 4 minutes, and
 # it kept cuBLAS for the largest products; make_step still accepts it ("model+loss max-autotune")
 
 
+def case_row(case: tuple, batch: int) -> dict:
+    """The case as a JSON row: KEYS, the batch in sequences, dropout 0 and foreach Adam where the case is silent."""
+    row = dict(zip(KEYS, case + (0.0, "foreach")[len(case) - 6 :], strict=True))
+    row["batch"] *= batch
+    return row
+
+
 def run_case(case, c, batch, length, device, repeats, peak) -> dict:
-    who, precision, attention, compiled, vocab, times = case
-    batch *= times
-    row = {"model": who, "precision": precision, "attention": attention, "compiled": compiled, "vocab": vocab,
-           "batch": batch, "length": length, "flops": train_flops(c, vocab, batch, length)}  # fmt: skip
+    row = case_row(case, batch)
+    who, attention, vocab, batch = row["model"], row["attention"], row["vocab"], row["batch"]
+    row.update(length=length, flops=train_flops(c, vocab, batch, length))
     step = None
     try:
-        ours, ref = make_models(c, vocab, length, device)
+        ours, ref = make_models(c, vocab, length, device, row["dropout"])
         model = ours if who == "ours" else ref
         if who == "ours":
             tpt.use_attention(model, attention)
         g = np.random.default_rng(1)
         src = torch.from_numpy(g.integers(3, vocab, (batch, length))).to(device)
         tgt = torch.from_numpy(g.integers(3, vocab, (batch, length + 1))).to(device)
-        step = make_step(model, src, tgt, device, precision != "float32", compiled)
+        step = make_step(model, src, tgt, device, row["precision"] != "float32", row["compiled"], row["adam"])
         t0 = time.perf_counter()
         row["first_loss"] = float(step())  # the compile, if any, happens here
         sync(device)
@@ -148,8 +174,9 @@ def run_case(case, c, batch, length, device, repeats, peak) -> dict:
 
 
 def describe(row: dict) -> str:
+    extra = "".join(f" {k}={row[k]}" for k, v in (("dropout", 0.0), ("adam", "foreach")) if row.get(k, v) != v)
     head = f"  {row['model']:8s} {row['precision']:13s} {row['attention']:8s} {row['compiled']!s:24s} " \
-           f"V={row['vocab']:5d} B={row['batch']:3d}"  # fmt: skip
+           f"V={row['vocab']:5d} B={row['batch']:3d}{extra}"  # fmt: skip
     if "step" not in row:
         return f"{head}  {row.get('error', 'skipped')}"
     mfu = f"  MFU {100 * row['mfu']:5.1f}%" if row["mfu"] else ""
@@ -163,6 +190,7 @@ def main(argv=None) -> None:
     p.add_argument("--quick", action="store_true", help="a tiny model and batch, few repeats")
     p.add_argument("--budget-s", type=float, default=420.0, help="start no case after this many seconds")
     p.add_argument("--out", required=True, help="JSON path")
+    p.add_argument("--cases", choices=("all", "mfu"), default="all", help="every case (default), or the MFU set")
     args = p.parse_args(argv)
     dev = args.device
     if dev.startswith("cuda") and not torch.cuda.is_available():
@@ -180,10 +208,9 @@ def main(argv=None) -> None:
     for m in res["matmul_bf16"]:
         print(f"  bf16 matmul {m['shape']}: {m['tflops']:.0f} TFLOP/s", flush=True)
     res["train_step"] = []
-    for case in CASES:
+    for case in CASES if args.cases == "all" else MFU_CASES:
         if time.perf_counter() - t0 > args.budget_s:
-            keys = ("model", "precision", "attention", "compiled", "vocab", "batch")
-            row = dict(zip(keys, case[:5] + (batch * case[5],), strict=True))
+            row = case_row(case, batch)
             row["skipped"] = f"over the {args.budget_s:.0f} s budget"
         else:
             row = run_case(case, c, batch, length, dev, repeats, peak)
