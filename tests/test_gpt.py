@@ -440,3 +440,74 @@ def test_gpt_from_torch_nn_layers_refuses_what_they_cannot_build(option):
     model = tt.GPT(vocab_size=13, d_model=16, n_heads=4, d_ff=24, n_layers=1, max_len=9, **option, rng=0)
     with pytest.raises(ValueError, match="ReferenceGPT: torch.nn's layers cannot build"):
         tt.to_torch_nn_gpt(model)
+
+
+# -- the attention option: explicit, tiled ("flash", both tracks), torch's fused kernels ("sdpa", torch only) ------
+
+ATTN_CASES = [("layernorm", "learned", "gelu", None), ("rmsnorm", "rope", "swiglu", 2), ("rmsnorm", "rope", "gelu", 1)]
+ATTN_IDS = ["2017", "llama-kv2", "mqa"]
+
+
+def grads_of(m, lib) -> tuple:
+    """Logits and every parameter's gradient for a fixed random dlogits, as NumPy arrays."""
+    x = INPUTS if lib is tn else T(INPUTS)
+    m.zero_grad()
+    logits = m(x)
+    g = np.random.default_rng(1).standard_normal(logits.shape)
+    if lib is tn:
+        m.backward(g)
+        return logits, m.grads()
+    logits.backward(T(g))
+    return logits.detach().numpy(), {k: p.grad.numpy() for k, p in m.named_parameters()}
+
+
+def assert_same(a: tuple, b: tuple, tol: float = TRACK_TOL) -> None:
+    (la, ga), (lb, gb) = a, b
+    assert list(ga) == list(gb)
+    scale = max(np.abs(g).max() for g in ga.values())
+    diffs = [max_abs_diff(la, lb) / np.abs(la).max()] + [max_abs_diff(ga[k], gb[k]) / scale for k in ga]
+    assert max(diffs) < tol, max(diffs)
+
+
+@pytest.mark.parametrize("norm,positional,activation,n_kv_heads", ATTN_CASES, ids=ATTN_IDS)
+def test_flash_and_sdpa_equal_explicit_attention_float64(norm, positional, activation, n_kv_heads):
+    model = np_gpt(norm, positional, activation, n_kv_heads).train()  # training mode, dropout 0
+    explicit = grads_of(model, tn)
+    tn.use_attention(model, "flash", block_size=2)  # tiles smaller than the 5 positions: several per row
+    assert_same(grads_of(model, tn), explicit)
+    assert all(m.attn_weights is None for _, m in model.named_modules() if isinstance(m, tn.GroupedQueryAttention))
+    for attention in ("flash", "sdpa"):
+        t = tt.use_attention(twin(model), attention, block_size=2)
+        assert_same(grads_of(t, tt), explicit)  # the NumPy explicit model: twin agreement and option agreement
+
+
+def test_whole_model_gradient_check_with_tiled_attention():
+    model = tn.use_attention(np_gpt("rmsnorm", "rope", "swiglu", 2, n_layers=1).eval(), "flash", block_size=2)
+    errors = model_grad_check(model)
+    assert max(errors.values()) < GRAD_TOL, {k: v for k, v in errors.items() if v >= GRAD_TOL}
+
+
+@pytest.mark.parametrize("attention", ["flash", "sdpa"])
+@pytest.mark.parametrize("n_kv_heads", [None, 2])
+def test_the_attention_options_generate_the_same_tokens_with_the_cache(attention, n_kv_heads):
+    model = np_gpt("rmsnorm", "rope", "swiglu", n_kv_heads).eval()
+    ref = twin(model).generate(T(TOKENS[:, :3]), 5, temperature=0.0)  # explicit attention
+    fast = tt.use_attention(twin(model), attention).generate(T(TOKENS[:, :3]), 5, temperature=0.0)
+    assert torch.equal(fast, ref)
+    if attention == "flash":
+        out = tn.use_attention(model, "flash").generate(TOKENS[:, :3], 5, temperature=0.0)
+        np.testing.assert_array_equal(out, ref.numpy())
+
+
+def test_attention_options_refused_as_for_multi_head_attention():
+    with pytest.raises(ValueError, match=r"GroupedQueryAttention: attention='sdpa' .* exists in tfm_torch only"):
+        tn.GroupedQueryAttention(8, 4, 2, attention="sdpa")
+    with pytest.raises(ValueError, match=r"use_attention: attention='sdpa' .* exists in tfm_torch only"):
+        tn.use_attention(np_gpt(), "sdpa")
+    for lib in (tn, tt):
+        with pytest.raises(ValueError, match=r"GroupedQueryAttention: attention must be one of"):
+            lib.GroupedQueryAttention(8, 4, attention="tiled")
+        model = lib.use_attention(lib.GPT(**TINY, dropout=0.1, rng=0), "flash").train()
+        with pytest.raises(ValueError, match=r"attention='flash' has no dropout on the attention weights"):
+            model(INPUTS if lib is tn else T(INPUTS))
+        assert "attention='flash', block_size=64" in repr(model.layers[0].self_attn)

@@ -423,14 +423,17 @@ def check_attention(owner: str, attention, block_size) -> tuple[str, int]:
 
 
 def use_attention(model, attention: str = "explicit", block_size: int = 64):
-    """Switch every MultiHeadAttention inside `model` to `attention` ("explicit" or "flash") with `block_size`;
-    returns the model. The weights are untouched: only how the heads compute softmax(q k^T / sqrt(dk)) v."""
+    """Switch every MultiHeadAttention and GroupedQueryAttention (the GPT's) inside `model` to `attention`
+    ("explicit" or "flash") with `block_size`; returns the model. The weights are untouched: only how the heads
+    compute softmax(q k^T / sqrt(dk)) v."""
+    from .modern import GroupedQueryAttention  # here, not at the top: modern imports this module
+
     attention, block_size = check_attention("use_attention", attention, block_size)
     switched = 0
     for _, m in model.named_modules():
-        if isinstance(m, MultiHeadAttention):
+        if isinstance(m, (MultiHeadAttention, GroupedQueryAttention)):
             m.attention, m.block_size = attention, block_size
             switched += 1
-    if not switched:  # e.g. a GPT: its GroupedQueryAttention computes its own heads; nothing would change
-        raise ValueError(f"use_attention: {type(model).__name__} has no MultiHeadAttention to switch to {attention!r}")
+    if not switched:  # nothing would change: say so rather than return the model as it was
+        raise ValueError(f"use_attention: {type(model).__name__} has no attention module to switch to {attention!r}")
     return model

@@ -7,11 +7,14 @@ Shapes: `(B, T, d_model)` activations; per head `(B, H, T, d_head)`. Masks are b
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from tfm_common.validate import check_real, check_size, check_sizes
 
-from .attention import attention_weights, attention_weights_backward
+from .attention import attention_weights, attention_weights_backward, check_attention
+from .flash import flash_attention, flash_attention_backward
 from .layers import Dropout, Linear
 from .module import Module, Parameter, as_rng, check_dtype, check_grad, check_input
 
@@ -219,6 +222,19 @@ def repeat_kv(x: np.ndarray, n_rep: int) -> np.ndarray:
     return x if n_rep == 1 else np.repeat(x, n_rep, axis=1)
 
 
+class _GQAFlashSaved(NamedTuple):
+    """What a tiled forward keeps for its backward: q, the repeated k and v, the output and log-sum-exp."""
+
+    q: np.ndarray
+    k_rep: np.ndarray
+    v_rep: np.ndarray
+    ctx: np.ndarray
+    lse: np.ndarray
+    mask: np.ndarray | None
+    x_shape: tuple
+    offset: int
+
+
 class GroupedQueryAttention(Module):
     """Causal-or-not self-attention with n_kv_heads key/value heads shared by n_heads query heads (Ainslie et al.,
     2023); n_kv_heads = n_heads is multi-head attention, 1 is multi-query attention (Shazeer, 2019).
@@ -229,6 +245,8 @@ class GroupedQueryAttention(Module):
     d_head, or None) rotates queries and keys at positions offset .. offset + T - 1, after the projection and the
     split into heads. The key/value cache of `forward_step` holds n_kv_heads heads: n_heads / n_kv_heads times
     smaller than multi-head attention's. After a forward, `attn_weights` holds (B, H, T, T) (before dropout).
+    attention="flash" computes the heads in tiles (chapter 15b's `flash_attention`, on the repeated key/value heads),
+    without attention dropout and without keeping the weights; `use_attention(model, ...)` switches it.
     """
 
     def __init__(
@@ -240,6 +258,8 @@ class GroupedQueryAttention(Module):
         bias: bool = True,
         *,
         rotary: RotaryEmbedding | None = None,
+        attention: str = "explicit",
+        block_size: int = 64,
         rng=None,
         dtype=np.float32,
     ):
@@ -260,6 +280,7 @@ class GroupedQueryAttention(Module):
         self.out_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
         self.dropout = Dropout(dropout, rng=g)
         self.rotary = rotary
+        self.attention, self.block_size = check_attention(owner, attention, block_size)
         self.attn_weights: np.ndarray | None = None
 
     def _split(self, x: np.ndarray, n: int) -> np.ndarray:
@@ -288,6 +309,8 @@ class GroupedQueryAttention(Module):
         q, k, v = self._project(x, offset)
         n_rep = self.n_heads // self.n_kv_heads
         k_rep, v_rep = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # (B, H, T, dh): each kv head to its query heads
+        if self.attention == "flash":  # tiled (chapter 15b): no (B, H, T, T) array
+            return self._forward_flash(q, k_rep, v_rep, mask, x.shape, offset)
         p = attention_weights(q, k_rep, mask)  # (B, H, T, T)
         p_drop = self.dropout(p)
         self.attn_weights = p
@@ -295,12 +318,18 @@ class GroupedQueryAttention(Module):
         return self.out_proj(self._merge(p_drop @ v_rep))  # (B, T, d)
 
     def backward(self, grad_out: np.ndarray) -> np.ndarray:
+        if isinstance(self._cache, _GQAFlashSaved):  # after a tiled forward: the weights recomputed from lse
+            return self._backward_flash(grad_out)
         q, k_rep, v_rep, p, p_drop, x_shape, offset = self._saved()
         check_grad("GroupedQueryAttention", grad_out, x_shape, q.dtype)
         d_ctx = self._split(self.out_proj.backward(grad_out), self.n_heads)  # (B, H, T, dh)
         dv_rep = np.swapaxes(p_drop, -1, -2) @ d_ctx  # (B, H, T, dh)
         dp = self.dropout.backward(d_ctx @ np.swapaxes(v_rep, -1, -2))  # (B, H, T, T)
         dq, dk_rep = attention_weights_backward(dp, q, k_rep, p)
+        return self._heads_backward(dq, dk_rep, dv_rep, offset)
+
+    def _heads_backward(self, dq, dk_rep, dv_rep, offset: int) -> np.ndarray:
+        """From the gradients of the heads' q (B, H, T, dh) and repeated k, v to dx (B, T, d)."""
         dk, dv = self._sum_groups(dk_rep), self._sum_groups(dv_rep)  # (B, Hkv, T, dh): a shared head adds up
         if self.rotary is not None:  # q = M q0, k = M k0: dq0 = M^T dq
             dq, dk = self.rotary.rotate(dq, offset, inverse=True), self.rotary.rotate(dk, offset, inverse=True)
@@ -308,6 +337,29 @@ class GroupedQueryAttention(Module):
         dx += self.k_proj.backward(self._merge(dk))
         dx += self.v_proj.backward(self._merge(dv))
         return dx  # (B, T, d): x fed all three projections
+
+    def _forward_flash(self, q, k_rep, v_rep, mask, x_shape, offset: int) -> np.ndarray:
+        ctx, lse = self._flash(q, k_rep, v_rep, mask)  # (B, H, T, dh), (B, H, T): the weights are not kept
+        self.attn_weights = None
+        self._cache = _GQAFlashSaved(q, k_rep, v_rep, ctx, lse, mask, x_shape, offset)
+        return self.out_proj(self._merge(ctx))  # (B, T, d)
+
+    def _backward_flash(self, grad_out: np.ndarray) -> np.ndarray:
+        q, k_rep, v_rep, ctx, lse, mask, x_shape, offset = self._saved()
+        check_grad("GroupedQueryAttention", grad_out, x_shape, q.dtype)
+        d_ctx = self._split(self.out_proj.backward(grad_out), self.n_heads)  # (B, H, T, dh)
+        dq, dk_rep, dv_rep = flash_attention_backward(
+            d_ctx, q, k_rep, v_rep, ctx, lse, mask, block_size=self.block_size
+        )
+        return self._heads_backward(dq, dk_rep, dv_rep, offset)
+
+    def _flash(self, q, k, v, mask):
+        if self.training and self.dropout.p > 0:
+            raise ValueError(
+                f"GroupedQueryAttention: attention='flash' has no dropout on the attention weights, got dropout="
+                f"{self.dropout.p} in training mode; use dropout=0.0, eval(), or attention='explicit'"
+            )
+        return flash_attention(q, k, v, mask, block_size=self.block_size)
 
     def _sum_groups(self, g: np.ndarray) -> np.ndarray:
         """The backward of repeat_kv: (B, H, T, dh) -> (B, Hkv, T, dh), summing the n_rep copies of each head."""
@@ -326,9 +378,12 @@ class GroupedQueryAttention(Module):
             k, v = np.concatenate([cache["k"], k], axis=2), np.concatenate([cache["v"], v], axis=2)
         cache["k"], cache["v"] = k, v  # (B, Hkv, T + Tn, dh): the un-repeated heads are what is stored
         n_rep = self.n_heads // self.n_kv_heads
+        if self.attention == "flash":
+            return self.out_proj(self._merge(self._flash(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), mask)[0]))
         p = attention_weights(q, repeat_kv(k, n_rep), mask)  # (B, H, Tn, T + Tn)
         return self.out_proj(self._merge(self.dropout(p) @ repeat_kv(v, n_rep)))
 
     def extra_repr(self) -> str:
         rope = ", rotary" if self.rotary is not None else ""
-        return f"d_model={self.d_model}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}{rope}"
+        flash = f", attention='flash', block_size={self.block_size}" if self.attention == "flash" else ""
+        return f"d_model={self.d_model}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}{rope}{flash}"

@@ -4,11 +4,13 @@ position embedding, the SwiGLU feed-forward, grouped-query attention); autograd 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tfm_common.validate import check_real, check_size, check_sizes
 
-from .attention import attention_weights
+from .attention import attention_weights, check_attention
+from .flash import flash_attention
 from .layers import Dropout, Linear
 from .module import as_generator, check_dtype, check_input
 
@@ -134,7 +136,9 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
 
 class GroupedQueryAttention(nn.Module):
     """Grouped-query self-attention, twin of tfm_numpy's: forward(x, mask, offset=0) -> (B, T, d); forward_step
-    with a cache of n_kv_heads heads; `rotary` rotates queries and keys."""
+    with a cache of n_kv_heads heads; `rotary` rotates queries and keys. attention="flash" (tiled, as tfm_numpy's)
+    or "sdpa" (this track only: F.scaled_dot_product_attention with enable_gqa, the key/value heads not repeated;
+    attention dropout from torch's global generator) keep no weights; `use_attention(model, ...)` switches it."""
 
     def __init__(
         self,
@@ -145,6 +149,8 @@ class GroupedQueryAttention(nn.Module):
         bias: bool = True,
         *,
         rotary: RotaryEmbedding | None = None,
+        attention: str = "explicit",
+        block_size: int = 64,
         rng=None,
         dtype=None,
     ):
@@ -165,6 +171,7 @@ class GroupedQueryAttention(nn.Module):
         self.out_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
         self.dropout = Dropout(dropout, rng=g)
         self.rotary = rotary
+        self.attention, self.block_size = check_attention(owner, attention, block_size)
         self.attn_weights: torch.Tensor | None = None
 
     def _split(self, x: torch.Tensor, n: int) -> torch.Tensor:
@@ -188,9 +195,24 @@ class GroupedQueryAttention(nn.Module):
 
     def _attend(self, q, k, v, mask) -> torch.Tensor:
         n_rep = self.n_heads // self.n_kv_heads
+        if self.attention != "explicit":
+            self.attn_weights = None
+            return self.out_proj(self._merge(self._fused(q, k, v, mask, n_rep)))
         p = attention_weights(q, repeat_kv(k, n_rep), mask)  # (B, H, Tq, Tk)
         self.attn_weights = p.detach()
         return self.out_proj(self._merge(self.dropout(p) @ repeat_kv(v, n_rep)))
+
+    def _fused(self, q, k, v, mask, n_rep: int) -> torch.Tensor:
+        """The heads' outputs (B, H, Tq, dh) without keeping the weights: torch's kernels ("sdpa"), or tiled."""
+        if self.attention == "sdpa":
+            p = self.dropout.p if self.training else 0.0
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, enable_gqa=n_rep > 1)
+        if self.training and self.dropout.p > 0:
+            raise ValueError(
+                f"GroupedQueryAttention: attention='flash' has no dropout on the attention weights, got dropout="
+                f"{self.dropout.p} in training mode; use dropout=0.0, eval(), or attention='explicit'"
+            )
+        return flash_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), mask, block_size=self.block_size)[0]
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, offset: int = 0) -> torch.Tensor:
         return self._attend(*self._project(x, offset), mask)  # (B, T, d)
@@ -206,4 +228,7 @@ class GroupedQueryAttention(nn.Module):
 
     def extra_repr(self) -> str:
         rope = ", rotary" if self.rotary is not None else ""
-        return f"d_model={self.d_model}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}{rope}"
+        impl = {"flash": f", attention='flash', block_size={self.block_size}", "sdpa": ", attention='sdpa'"}
+        return f"d_model={self.d_model}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}{rope}" + impl.get(
+            self.attention, ""
+        )
