@@ -124,6 +124,7 @@ CASES = [  # KEYS, with the batch as a multiple of the base batch; dropout 0 and
 # 2026-11-26 (no break at the token-id checks or at dropout), so CUDA graphs can take the whole step.
 MFU_CASES = [
     ("torch.nn", "bf16 autocast", "torch.nn", None, 8000, 1),
+    ("torch.nn", "bf16 autocast", "torch.nn", "model+loss", 8000, 1),  # one graph since the tgt_is_causal hint
     ("ours", "bf16 autocast", "sdpa", "model+loss", 8000, 1),
     ("ours", "bf16 autocast", "sdpa", "model+loss cudagraphs", 8000, 1, 0.0, "fused"),
     ("ours", "bf16 autocast", "sdpa", "model+loss cudagraphs", 8000, 2, 0.0, "fused"),

@@ -136,8 +136,9 @@ def _training_loss(m, lm: bool):
         (lambda: model("sdpa", dropout=0.1), False),
         (lambda: tt.GPT(V, 16, 4, 32, 2, 16, dropout=0.1, rng=0, dtype=torch.float64), True),
         (lambda: tt.use_attention(modern_gpt(), "sdpa"), True),
+        (lambda: tt.to_torch_nn_transformer(model(dropout=0.1)), False),  # torch.nn's layers, told the mask is causal
     ],
-    ids=["explicit", "sdpa", "gpt", "gpt-modern-sdpa"],
+    ids=["explicit", "sdpa", "gpt", "gpt-modern-sdpa", "torch.nn"],
 )
 def test_torch_compile_takes_a_training_step_as_one_graph(make, lm):
     # No graph break from the token-id checks (done inside the graph when compiling) nor from dropout (drawn from
@@ -176,3 +177,17 @@ def test_compiled_model_still_refuses_token_ids_out_of_range():
         m(bad, TGT[:, :-1])  # eager: the offending value in the message
     with pytest.raises(RuntimeError, match=r"values must be in \[0, 13\)"):
         compiled(bad, TGT[:, :-1])  # compiled: checked inside the graph
+
+
+def test_reference_transformer_states_its_causal_mask_without_changing_a_bit():
+    # tgt_is_causal=True spares torch.nn.Transformer reading the mask's values (the compile break above); with the key
+    # padding masks it is always given, torch merges the masks and computes exactly what it did without the hint
+    ref = tt.to_torch_nn_transformer(model()).train()
+    hinted = ref(SRC, TGT[:, :-1])
+    plain = ref.transformer.forward
+    ref.transformer.forward = lambda *a, tgt_is_causal=None, **k: plain(*a, **k)  # the call without the hint
+    try:
+        unhinted = ref(SRC, TGT[:, :-1])
+    finally:
+        del ref.transformer.forward
+    assert torch.equal(hinted, unhinted)

@@ -379,6 +379,7 @@ class ReferenceTransformer(_Counted):
             src_key_padding_mask=src_pad,
             tgt_key_padding_mask=tgt_in == self.pad_id,
             memory_key_padding_mask=src_pad,
+            tgt_is_causal=True,  # `future` is causal: said, not checked by reading its values (a torch.compile break)
         )  # (B, T, d)
         return self.output_projection(h)  # (B, T, V)
 
