@@ -332,12 +332,7 @@ class MultiHeadAttention(Module):
         return d_query, self._heads_backward(self.k_proj, dk), self._heads_backward(self.v_proj, dv)
 
     def _flash(self, q, k, v, mask):
-        if self.training and self.dropout.p > 0:
-            raise ValueError(
-                f"MultiHeadAttention: attention='flash' has no dropout on the attention weights, got dropout="
-                f"{self.dropout.p} in training mode; use dropout=0.0, eval(), or attention='explicit'"
-            )
-        return flash_attention(q, k, v, mask, block_size=self.block_size)
+        return flash_heads("MultiHeadAttention", self, q, k, v, mask)
 
     def forward_step(self, query, key, value, cache: dict, mask=None, *, static: bool = False) -> np.ndarray:
         """`forward` for incremental decoding (inference only: no backward), keeping keys and values in `cache`.
@@ -412,6 +407,17 @@ def make_attention(head_projection: str, d_model: int, n_heads: int, dropout: fl
     head_projection = check_choice("make_attention", "head_projection", head_projection, HEAD_PROJECTIONS)
     cls = MultiHeadAttention if head_projection == "full" else SharedHeadProjectionAttention
     return cls(d_model, n_heads, dropout, **kwargs)
+
+
+def flash_heads(owner: str, module, q, k, v, mask):
+    """`flash_attention(q, k, v, mask)` in tiles of `module.block_size`: (out, lse). The tiled kernel has no dropout
+    on the weights, so a module training with attention dropout is refused rather than silently trained without."""
+    if module.training and module.dropout.p > 0:
+        raise ValueError(
+            f"{owner}: attention='flash' has no dropout on the attention weights, got dropout="
+            f"{module.dropout.p} in training mode; use dropout=0.0, eval(), or attention='explicit'"
+        )
+    return flash_attention(q, k, v, mask, block_size=module.block_size)
 
 
 def check_attention(owner: str, attention, block_size) -> tuple[str, int]:

@@ -13,8 +13,8 @@ import numpy as np
 
 from tfm_common.validate import check_real, check_size, check_sizes
 
-from .attention import attention_weights, attention_weights_backward, check_attention
-from .flash import flash_attention, flash_attention_backward
+from .attention import attention_weights, attention_weights_backward, check_attention, flash_heads
+from .flash import flash_attention_backward
 from .layers import Dropout, Linear
 from .module import Module, Parameter, as_rng, check_dtype, check_grad, check_input
 
@@ -354,12 +354,7 @@ class GroupedQueryAttention(Module):
         return self._heads_backward(dq, dk_rep, dv_rep, offset)
 
     def _flash(self, q, k, v, mask):
-        if self.training and self.dropout.p > 0:
-            raise ValueError(
-                f"GroupedQueryAttention: attention='flash' has no dropout on the attention weights, got dropout="
-                f"{self.dropout.p} in training mode; use dropout=0.0, eval(), or attention='explicit'"
-            )
-        return flash_attention(q, k, v, mask, block_size=self.block_size)
+        return flash_heads("GroupedQueryAttention", self, q, k, v, mask)
 
     def _sum_groups(self, g: np.ndarray) -> np.ndarray:
         """The backward of repeat_kv: (B, H, T, dh) -> (B, Hkv, T, dh), summing the n_rep copies of each head."""

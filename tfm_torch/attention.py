@@ -263,12 +263,7 @@ class MultiHeadAttention(nn.Module):
         if self.attention == "sdpa":
             p = self.dropout.p if self.training else 0.0
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)  # (B, H, Tq, dk)
-        if self.training and self.dropout.p > 0:
-            raise ValueError(
-                f"MultiHeadAttention: attention='flash' has no dropout on the attention weights, got dropout="
-                f"{self.dropout.p} in training mode; use dropout=0.0, eval(), or attention='explicit'"
-            )
-        return flash_attention(q, k, v, mask, block_size=self.block_size)[0]  # (B, H, Tq, dk)
+        return flash_heads("MultiHeadAttention", self, q, k, v, mask)  # (B, H, Tq, dk)
 
     def extra_repr(self) -> str:
         impl = {"flash": f", attention='flash', block_size={self.block_size}", "sdpa": ", attention='sdpa'"}
@@ -294,6 +289,17 @@ def make_attention(head_projection: str, d_model: int, n_heads: int, dropout: fl
     head_projection = check_choice("make_attention", "head_projection", head_projection, HEAD_PROJECTIONS)
     cls = MultiHeadAttention if head_projection == "full" else SharedHeadProjectionAttention
     return cls(d_model, n_heads, dropout, **kwargs)
+
+
+def flash_heads(owner: str, module, q, k, v, mask) -> torch.Tensor:
+    """The heads' output of `flash_attention(q, k, v, mask)` in tiles of `module.block_size` (as tfm_numpy's, which
+    also returns lse): a module training with attention dropout is refused, the tiled kernel has none."""
+    if module.training and module.dropout.p > 0:
+        raise ValueError(
+            f"{owner}: attention='flash' has no dropout on the attention weights, got dropout="
+            f"{module.dropout.p} in training mode; use dropout=0.0, eval(), or attention='explicit'"
+        )
+    return flash_attention(q, k, v, mask, block_size=module.block_size)[0]
 
 
 def check_attention(owner: str, attention, block_size) -> tuple[str, int]:

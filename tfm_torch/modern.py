@@ -9,8 +9,7 @@ from torch import nn
 
 from tfm_common.validate import check_real, check_size, check_sizes
 
-from .attention import attention_weights, check_attention
-from .flash import flash_attention
+from .attention import attention_weights, check_attention, flash_heads
 from .layers import Dropout, Linear
 from .module import as_generator, check_dtype, check_input
 
@@ -207,12 +206,7 @@ class GroupedQueryAttention(nn.Module):
         if self.attention == "sdpa":
             p = self.dropout.p if self.training else 0.0
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, enable_gqa=n_rep > 1)
-        if self.training and self.dropout.p > 0:
-            raise ValueError(
-                f"GroupedQueryAttention: attention='flash' has no dropout on the attention weights, got dropout="
-                f"{self.dropout.p} in training mode; use dropout=0.0, eval(), or attention='explicit'"
-            )
-        return flash_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), mask, block_size=self.block_size)[0]
+        return flash_heads("GroupedQueryAttention", self, q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), mask)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, offset: int = 0) -> torch.Tensor:
         return self._attend(*self._project(x, offset), mask)  # (B, T, d)
