@@ -511,3 +511,22 @@ def test_attention_options_refused_as_for_multi_head_attention():
         with pytest.raises(ValueError, match=r"attention='flash' has no dropout on the attention weights"):
             model(INPUTS if lib is tn else T(INPUTS))
         assert "attention='flash', block_size=64" in repr(model.layers[0].self_attn)
+
+
+@pytest.mark.parametrize("lib", [tn, tt], ids=["numpy", "torch"])
+def test_the_attention_option_at_construction_is_use_attention(lib):
+    attention = "flash" if lib is tn else "sdpa"
+    built = lib.GPT(**TINY, n_kv_heads=2, attention=attention, block_size=4, rng=0)
+    switched = lib.use_attention(lib.GPT(**TINY, n_kv_heads=2, rng=0), attention, block_size=4)
+    modes = {(m.attention, m.block_size) for m in (layer.self_attn for layer in built.layers)}
+    assert modes == {(attention, 4)} and list(built.state_dict()) == list(switched.state_dict())
+    assert "attention" not in built.config  # how the heads are computed, not what the model is
+    x = INPUTS if lib is tn else T(INPUTS)
+    np.testing.assert_array_equal(np.asarray(built(x).tolist()), np.asarray(switched(x).tolist()))
+    with pytest.raises(ValueError, match=r"GPT: attention must be one of"):
+        lib.GPT(**TINY, attention="tiled")
+
+
+def test_numpy_gpt_refuses_sdpa_by_name():
+    with pytest.raises(ValueError, match=r"GPT: attention='sdpa' \(torch.nn.functional.scaled_dot_product_attention\)"):
+        tn.GPT(**TINY, attention="sdpa")

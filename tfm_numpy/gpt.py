@@ -16,7 +16,7 @@ from tfm_common.gpt_config import as_numpy_rng, check_gpt_config, check_sampling
 from tfm_common.training import StepResult
 from tfm_common.validate import check_size
 
-from .attention import causal_mask
+from .attention import causal_mask, check_attention, use_attention
 from .functional import log_softmax
 from .layers import Dropout, Embedding, LayerNorm, Linear
 from .loss import CrossEntropyLoss
@@ -100,6 +100,8 @@ class GPT(Module):
       activation  "gelu" (GPT-2; the exact form), "relu", or "swiglu" (Llama; width swiglu_hidden_size(d_ff))
       n_kv_heads  key/value heads for grouped-query attention (None: n_heads; 1: multi-query)
       tie_output  the output projection's weight IS the token embedding (GPT-2 does this)
+      attention   "explicit" (weights kept for plotting) or "flash" (tiled, chapter 15b); tfm_torch also "sdpa".
+                  Not a weight and not in `config`: `use_attention(model, ...)` switches it later
     Every option combination has one set of state_dict keys, in both tracks.
 
     Initialization (with `rng`), as chapter 10's Transformer: token embeddings N(0, 1/d_model), multiplied by
@@ -126,11 +128,14 @@ class GPT(Module):
         activation: str = "gelu",
         n_kv_heads: int | None = None,
         tie_output: bool = True,
+        attention: str = "explicit",
+        block_size: int = 64,
         rng=None,
         dtype=np.float32,
     ):
         super().__init__()
         self.config = c = check_gpt_config("GPT", {k: v for k, v in locals().items() if k in _ARGS})
+        attention, block_size = check_attention("GPT", attention, block_size)  # refused before anything is built
         self.vocab_size, self.d_model, self.max_len = c["vocab_size"], c["d_model"], c["max_len"]
         dt, g = check_dtype(dtype), as_rng(rng)
         self.embed = Embedding(self.vocab_size, self.d_model, rng=g, dtype=dt)
@@ -154,6 +159,7 @@ class GPT(Module):
         for _, p in self.layers.named_parameters():
             if p.data.ndim == 2:
                 xavier_uniform_(p, g)
+        use_attention(self, attention, block_size)  # how every block computes its heads (not a weight)
 
     # -- forward and backward --------------------------------------------------------------------------------------
     def forward(self, tokens: np.ndarray) -> np.ndarray:

@@ -14,7 +14,7 @@ from tfm_common.gpt_config import as_numpy_rng, check_gpt_config, check_sampling
 from tfm_common.training import StepResult
 from tfm_common.validate import check_size
 
-from .attention import causal_mask
+from .attention import causal_mask, check_attention, use_attention
 from .functional import log_softmax
 from .layers import Dropout, Embedding, LayerNorm, Linear
 from .modern import GroupedQueryAttention, RMSNorm, RotaryEmbedding, SwiGLUFeedForward, swiglu_hidden_size
@@ -89,11 +89,14 @@ class GPT(nn.Module):
         activation: str = "gelu",
         n_kv_heads: int | None = None,
         tie_output: bool = True,
+        attention: str = "explicit",
+        block_size: int = 64,
         rng=None,
         dtype=None,
     ):
         super().__init__()
         self.config = c = check_gpt_config("GPT", {k: v for k, v in locals().items() if k in _ARGS})
+        attention, block_size = check_attention("GPT", attention, block_size)  # refused before anything is built
         self.vocab_size, self.d_model, self.max_len = c["vocab_size"], c["d_model"], c["max_len"]
         dt, g = check_dtype(dtype), as_generator(rng)
         self.embed = Embedding(self.vocab_size, self.d_model, rng=g, dtype=dt)
@@ -118,6 +121,7 @@ class GPT(nn.Module):
         for _, p in self.layers.named_parameters():
             if p.dim() == 2:
                 xavier_uniform_(p, g)
+        use_attention(self, attention, block_size)  # how every block computes its heads (not a weight)
 
     def num_parameters(self) -> int:
         """Unique parameters (a tied one counted once), as tfm_numpy's Module.num_parameters."""
