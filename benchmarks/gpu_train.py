@@ -20,7 +20,8 @@ It measures, and stores in one JSON file (read by chapter 15):
      benchmarks/bench.py, training = 3 x forward) and MFU (that rate / the measured bf16 matmul rate);
   3. the fastest configuration again with the paper's vocabulary size (37,000), from which the paper's base run
      (100,000 steps of ~25,000 + 25,000 tokens; 12 hours on 8 P100 GPUs) is timed on this one GPU.
-`--cases mfu` runs instead the set aimed at 40% MFU (MFU_CASES below: CUDA graphs, a fused Adam, larger batches).
+`--cases mfu` runs instead the set aimed at 40% MFU (MFU_CASES below: CUDA graphs, a fused Adam, larger batches),
+and `--cases levers` gives those levers to torch.nn too (LEVER_CASES), so that the two are compared on equal terms.
 Cases are run in order under a time budget (--budget-s); a case that does not fit is recorded as skipped. The JSON
 is rewritten after every case, so an interrupted run keeps what it measured.
 """
@@ -137,6 +138,18 @@ MFU_CASES = [
     ("ours", "bf16 autocast", "sdpa", "model+loss cudagraphs", 37000, 1, 0.1, "fused"),  # the paper's run
 ]
 
+# --cases levers: the levers of MFU_CASES given to torch.nn too (compiled with the loss, CUDA graphs, fused Adam),
+# at 1x and 2x the batch, next to ours at 2x with and without CUDA graphs: which share of the gain is the levers',
+# which the torch track's own. First run on an H200 on 2026-11-26 (benchmarks/results/gpu_train_levers_h200.json).
+LEVER_CASES = [
+    ("torch.nn", "bf16 autocast", "torch.nn", "model+loss cudagraphs", 8000, 1, 0.0, "fused"),
+    ("ours", "bf16 autocast", "sdpa", "model+loss cudagraphs", 8000, 2, 0.0, "fused"),
+    ("torch.nn", "bf16 autocast", "torch.nn", "model+loss cudagraphs", 8000, 2, 0.0, "fused"),
+    ("torch.nn", "bf16 autocast", "torch.nn", None, 8000, 2),
+    ("ours", "bf16 autocast", "sdpa", "model+loss", 8000, 2, 0.0, "fused"),
+]
+CASE_SETS = {"all": CASES, "mfu": MFU_CASES, "levers": LEVER_CASES}
+
 
 def case_row(case: tuple, batch: int) -> dict:
     """The case as a JSON row: KEYS, the batch in sequences, dropout 0 and foreach Adam where the case is silent."""
@@ -195,7 +208,8 @@ def main(argv=None) -> None:
     p.add_argument("--quick", action="store_true", help="a tiny model and batch, few repeats")
     p.add_argument("--budget-s", type=float, default=420.0, help="start no case after this many seconds")
     p.add_argument("--out", required=True, help="JSON path")
-    p.add_argument("--cases", choices=("all", "mfu"), default="all", help="every case (default), or the MFU set")
+    p.add_argument("--cases", choices=tuple(CASE_SETS), default="all",
+                   help="every case (default), the MFU set, or the MFU levers given to torch.nn too")  # fmt: skip
     args = p.parse_args(argv)
     dev = args.device
     if dev.startswith("cuda") and not torch.cuda.is_available():
@@ -213,7 +227,7 @@ def main(argv=None) -> None:
     for m in res["matmul_bf16"]:
         print(f"  bf16 matmul {m['shape']}: {m['tflops']:.0f} TFLOP/s", flush=True)
     res["train_step"] = []
-    for case in CASES if args.cases == "all" else MFU_CASES:
+    for case in CASE_SETS[args.cases]:
         if time.perf_counter() - t0 > args.budget_s:
             row = case_row(case, batch)
             row["skipped"] = f"over the {args.budget_s:.0f} s budget"
