@@ -227,7 +227,6 @@ def main(argv=None) -> None:
     t0, out = time.perf_counter(), Path(args.out)
     res = {"info": device_info(dev), "created": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(sys.argv),
            "config": {**c, "dropout": 0.0, "batch": batch, "length": length}}  # fmt: skip
-    res["info"]["triton"] = getattr(sys.modules.get("triton"), "__version__", None)  # imported by torch.compile
     print(f"device: {res['info']['name']}; torch {res['info']['torch']}", flush=True)
     big = (512, 512, 512) if args.quick else (8192, 8192, 8192)
     mine = (batch * length, c["d_model"], c["d_ff"])
@@ -243,6 +242,7 @@ def main(argv=None) -> None:
         else:
             row = run_case(case, c, batch, length, dev, repeats, peak)
         res["train_step"].append(row)
+        res["info"]["triton"] = getattr(sys.modules.get("triton"), "__version__", None)  # once torch.compile ran
         print(describe(row), flush=True)
         res["seconds"] = time.perf_counter() - t0
         out.parent.mkdir(parents=True, exist_ok=True)
