@@ -56,8 +56,7 @@ def test_stored_rows_agree_with_the_flop_formula_and_their_own_timings(path):
         assert r["step"]["best_ms"] <= r["step"]["median_ms"]
         assert math.isclose(r["tflops"], flops / seconds / 1e12, rel_tol=1e-9)
         assert math.isclose(r["tokens_per_s"], 2 * r["batch"] * config["length"] / seconds, rel_tol=1e-9)
-        if r.get("mfu") is not None:  # the first runs' script did not store it for every row
-            assert math.isclose(r["mfu"], r["tflops"] / peak, rel_tol=1e-9)
+        assert math.isclose(r["mfu"], r["tflops"] / peak, rel_tol=1e-9)
         assert math.isfinite(r["first_loss"]) and r["first_loss"] > 0
 
 
