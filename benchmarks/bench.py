@@ -24,11 +24,15 @@ What it prints, every figure measured in this one run:
      pick; same weights and batches).
 
 How it measures. Each library runs in its own worker process (`--worker numpy|torch`), started with its thread
-settings in the environment before NumPy or torch is imported: OMP_WAIT_POLICY=PASSIVE (torch's OpenMP threads
-sleep as soon as a parallel region ends instead of spinning) and OPENBLAS_NUM_THREADS / OMP_NUM_THREADS /
-MKL_NUM_THREADS = the thread count. The two workers never compute at the same time: this process asks one for
-a measurement, waits for it, pauses (`--pause`, so that threads still spinning after the last call go to sleep),
-then asks the other, alternating which goes first. Every task is set up and warmed up once (a first call
+count in the environment before NumPy or torch is imported (OPENBLAS_NUM_THREADS / OMP_NUM_THREADS /
+MKL_NUM_THREADS) and otherwise as a user runs it: OMP_WAIT_POLICY is removed from the workers' environment, so
+torch's OpenMP threads spin briefly after a parallel region as they do by default, as OpenBLAS's threads do in
+the NumPy worker (its pthreads build ignores the variable). `--omp-wait-policy passive` makes torch's threads
+sleep at once instead: every parallel region then wakes them, which on this 2-core machine doubled the time of
+torch's small-config training step and of its cached decoding (chapter 15; earlier stored runs used it). The
+two workers never compute at the same time: this process asks one for a measurement, waits for it, pauses
+(`--pause`, so that threads still spinning after the last call go to sleep), then asks the other, alternating
+which goes first. Every task is set up and warmed up once (a first call
 allocates and touches the memory); one repeat then times a block of calls (as many as fill `--block` seconds,
 at least one) and reports the time per call. Each figure is the median of the repeats; the matmul rate is the
 best (the shortest) of its repeats, as a peak should be.
@@ -120,15 +124,22 @@ def _gpt_data(cfg: dict, seed: int = 2):
     return ids[:, :-1], ids[:, 1:]
 
 
-def _thread_env(threads: int) -> dict:
-    """Thread settings for a worker, set in its environment before NumPy or torch is imported."""
+WAIT_POLICIES = ("default", "passive", "active")  # --omp-wait-policy: OMP_WAIT_POLICY unset, PASSIVE, ACTIVE
+
+
+def _thread_env(threads: int, wait_policy: str = "default") -> dict:
+    """Thread settings for a worker, set in its environment before NumPy or torch is imported. wait_policy
+    "default" leaves OMP_WAIT_POLICY unset (each library's own behaviour); the others set it."""
     n = str(threads)
-    return {
-        "OMP_WAIT_POLICY": "PASSIVE",
-        "OMP_NUM_THREADS": n,
-        "OPENBLAS_NUM_THREADS": n,
-        "MKL_NUM_THREADS": n,
-    }
+    env = {} if wait_policy == "default" else {"OMP_WAIT_POLICY": wait_policy.upper()}
+    return env | {"OMP_NUM_THREADS": n, "OPENBLAS_NUM_THREADS": n, "MKL_NUM_THREADS": n}
+
+
+def _worker_env(threads: int, wait_policy: str = "default") -> dict:
+    """The caller's environment without its own OMP_WAIT_POLICY (a run does not depend on the shell's), then the
+    worker's thread settings."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    return env | _thread_env(threads, wait_policy)
 
 
 def _openblas_threads():
@@ -415,8 +426,9 @@ def worker_main(track_name: str, root: str | None) -> None:
 class Worker:
     """A worker process for one library, driven by JSON lines."""
 
-    def __init__(self, track: str, threads: int, root: str | None = None, label: str | None = None, extra=None):
-        env = {**os.environ, **_thread_env(threads)}
+    def __init__(self, track: str, threads: int, root: str | None = None, label: str | None = None, extra=None,
+                 wait_policy: str = "default"):  # fmt: skip
+        env = _worker_env(threads, wait_policy)
         self.extra = extra or {}  # task arguments of this worker only (torch.nn's impl="nn")
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", track]
         if root:
@@ -532,7 +544,8 @@ class Bench:
         say(f"Python {m['python']}; load average (1, 5, 15 min) at start {load}")
         say(f"NumPy {nx['numpy']} ({nx['blas']}, BLAS threads: {nx['blas_threads']}); "
               f"torch {tx['torch']} ({tx['blas']}, torch.get_num_threads() = {tx['threads']})")  # fmt: skip
-        say("Worker environment: " + " ".join(f"{k}={v}" for k, v in res["env"].items()))
+        unset = " (OMP_WAIT_POLICY unset: each library's default)" if "OMP_WAIT_POLICY" not in res["env"] else ""
+        say("Worker environment: " + " ".join(f"{k}={v}" for k, v in res["env"].items()) + unset)
         if m["load_average"] and m["load_average"][0] > 0.5 * m["usable_cores"]:
             say(
                 f"WARNING: the machine is busy (load {m['load_average'][0]:.1f} on {m['usable_cores']} cores): every "
@@ -556,7 +569,8 @@ class Bench:
         """A training step in three workers (NumPy, torch, torch.nn's layers) per config: the table and the results."""
         res, rows = {}, []
         peak_np, peak_t = self.mm[("numpy", "float32")], self.mm[("torch", "float32")]
-        nn_worker = Worker("torch", self.args.threads or self.res["threads"], label="torch.nn", extra={"impl": "nn"})
+        threads, policy = self.res["threads"], self.args.omp_wait_policy
+        nn_worker = Worker("torch", threads, label="torch.nn", extra={"impl": "nn"}, wait_policy=policy)
         try:
             for c in self.configs:
                 cfg, flops = configs[c], flops_of(configs[c])
@@ -661,9 +675,12 @@ def run(args) -> dict:
     REPORT.clear()
     m = machine_info()
     threads = args.threads or m["usable_cores"]
-    workers = [Worker("numpy", threads, args.numpy_root), Worker("torch", threads)]
+    policy = args.omp_wait_policy
+    workers = [Worker("numpy", threads, args.numpy_root, wait_policy=policy),
+               Worker("torch", threads, wait_policy=policy)]  # fmt: skip
     bench = Bench(args, workers)
-    bench.res.update(machine=m, threads=threads, env=_thread_env(threads), repeats=bench.repeats)
+    env = _thread_env(threads, policy)
+    bench.res.update(machine=m, threads=threads, env=env, omp_wait_policy=policy, repeats=bench.repeats)
     bench.res["settings"] = {
         "block_s": bench.block,
         "pause_s": args.pause,
@@ -692,6 +709,8 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=0, help="repeats per figure (default 7, --quick 3)")
     p.add_argument("--block", type=float, default=None, help="seconds per repeat, at least one call (default 0.3)")
     p.add_argument("--pause", type=float, default=0.2, help="seconds between two measurements (default 0.2)")
+    p.add_argument("--omp-wait-policy", choices=WAIT_POLICIES, default="default",
+                   help="OMP_WAIT_POLICY of the workers (default: unset, each library's own behaviour)")  # fmt: skip
     p.add_argument("--configs", nargs="+", choices=sorted(CONFIGS), help="training/forward configs to run")
     p.add_argument("--decode-lengths", nargs="+", type=int, help="output lengths for greedy decoding")
     p.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="what to measure")
