@@ -38,8 +38,20 @@ def naive_bpe(data: bytes, n_merges: int, pattern=DEFAULT_PATTERN, min_count=2):
         if counts[best] < min_count:
             break
         merges.append(best)
-        words = [merge_pair(w, best, 256 + k) for w in words]
+        words = [_merge_naive(w, best, 256 + k) for w in words]
     return merges, words
+
+
+def _merge_naive(word: list[int], pair: tuple[int, int], new_id: int) -> list[int]:
+    """The merge as a fold, not the library's index loop: a token that completes `pair` with the token before it
+    replaces that token. Left to right, no overlap: "aaa" -> [256, a] (new_id never equals pair[0])."""
+    out: list[int] = []
+    for t in word:
+        if out and out[-1] == pair[0] and t == pair[1]:
+            out[-1] = new_id
+        else:
+            out.append(t)
+    return out
 
 
 def test_hand_worked_example():
@@ -194,3 +206,11 @@ def test_constructor_refuses_merges_of_unknown_ids():
         ByteBPE([(1, 2), (257, 3)])
     with pytest.raises(TypeError, match="pattern expected bytes, str or None"):
         ByteBPE([], pattern=3)
+
+
+def test_merge_pair_equals_the_independent_fold_on_runs_and_overlaps():
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        word = [int(t) for t in rng.integers(0, 3, rng.integers(0, 12))]  # 3 symbols: many runs such as a a a a
+        pair = (int(rng.integers(0, 3)), int(rng.integers(0, 3)))
+        assert merge_pair(word, pair, 256) == _merge_naive(word, pair, 256), (word, pair)
