@@ -67,10 +67,12 @@ def test_reordered_buffers_keep_their_capacity_and_copy_only_the_written_part(tr
         memory, src_mask = model.encode(A(SRC))
         cache = {"capacity": 9}
         model.decode_step(A(TGT[:, :4]), memory, src_mask, cache)
+        cache["layers"][1]["self_attn"]["k_buf"][:, :, 4:] = 1234.5  # the room not written yet: a marker
         new = lib.reorder_cache(cache, rows)
         sa, old = new["layers"][1]["self_attn"], cache["layers"][1]["self_attn"]
         assert tuple(sa["k_buf"].shape) == (3, 2, 9, 8) and shares(sa["k"], sa["k_buf"])
         assert max_abs_diff(sa["k"], old["k"][rows]) == 0 and max_abs_diff(new["keep"], cache["keep"][rows]) == 0
+        assert not (sa["k_buf"][:, :, 4:] == 1234.5).all()  # the marker was not copied: only positions 0..3 were
         step = model.decode_step(A(np.array([[5], [3], [6]])), memory[rows], src_mask[rows], new)
         assert sa["k_buf"] is new["layers"][1]["self_attn"]["k_buf"]  # the next step wrote into it, in place
         full = model.decode(A(np.concatenate([TGT[[1, 0, 0], :4], [[5], [3], [6]]], axis=1)), memory[rows],
