@@ -254,7 +254,7 @@ def test_bad_arguments(track):
     with pytest.raises(ValueError, match="alpha must be a float >= 0"):
         lib.beam_search(model, src, BOS, EOS, 5, alpha=-0.5)
     with pytest.raises(ValueError, match="tokens expected a"):
-        lib.sequence_scores(model, src, np.zeros((3, 2)), BOS, EOS)
+        lib.sequence_scores(model, src, A(np.zeros((3, 2))), BOS, EOS)  # float token ids, in the track's own type
     with pytest.raises(ValueError, match="src: values must be in"):
         lib.greedy_decode(model, A(SRC + 20), BOS, EOS, 5)
 

@@ -1,6 +1,8 @@
 """FlashAttention by hand: the tiled forward and backward of both tracks against the explicit attention (float64,
 1e-12), central differences, torch.autograd.gradcheck, F.scaled_dot_product_attention, tile skipping, bad input."""
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -8,7 +10,9 @@ import torch.nn.functional as F
 from helpers_tracks import max_abs_diff, to_numpy, to_torch
 
 import tfm_numpy as tn
+import tfm_numpy.attention as tn_attention
 import tfm_torch as tt
+import tfm_torch.attention as tt_attention
 
 EXACT = 1e-12  # float64: tiled vs explicit, same arithmetic in another order
 B, H, T, S, D = 2, 3, 11, 7, 4
@@ -176,7 +180,9 @@ def test_torch_equals_scaled_dot_product_attention(mask_name):
 def test_torch_autograd_gradcheck():
     q, k, v = (to_torch(x[:, :, :5], requires_grad=True) for x in qkv(seed=8))
     mask = torch_mask(left_padded_causal()[..., :5, :5])
-    assert torch.autograd.gradcheck(lambda a, b, c: tt.flash_attention(a, b, c, mask, block_size=2)[0], (q, k, v))
+    flash = lambda a, b, c: tt.flash_attention(a, b, c, mask, block_size=2)[0]  # noqa: E731
+    # float64 central differences: the book's 1e-7, not gradcheck's default atol 1e-5 / rtol 1e-3
+    assert torch.autograd.gradcheck(flash, (q, k, v), atol=1e-8, rtol=1e-7)
 
 
 # -- bad input, the same in both tracks ------------------------------------------------------------------------
@@ -215,17 +221,42 @@ SRC_TOKENS = np.array([[3, 7, 1, 9, 5, 4, 8], [2, 10, 4, 6, 0, 0, 0]])
 TGT_TOKENS = np.array([[1, 4, 8, 3, 6, 5, 7, 9], [0, 0, 1, 6, 3, 2, 9, 4]])  # the second left-padded: empty rows
 
 
+@contextlib.contextmanager
+def counting_tiled_calls():
+    """Counts the calls of both tracks' tiled kernel by the attention modules: the flash path ran, not an explicit
+    one that happens to give the same numbers."""
+    saved = tn_attention.flash_attention, tt_attention.flash_attention
+    calls = []
+
+    def counted(kernel):
+        def wrapped(*args, **kwargs):
+            calls.append(1)
+            return kernel(*args, **kwargs)
+
+        return wrapped
+
+    tn_attention.flash_attention, tt_attention.flash_attention = (counted(k) for k in saved)
+    try:
+        yield calls
+    finally:
+        tn_attention.flash_attention, tt_attention.flash_attention = saved
+
+
 def model_grads(track, attention, norm_first):
     m = tiny_model(track, attention, norm_first=norm_first)
     dlogits = np.random.default_rng(9).standard_normal((2, 8, 11))
-    if track == "numpy":
-        logits = m(SRC_TOKENS, TGT_TOKENS)
-        m.zero_grad()
-        m.backward(dlogits)
-        return logits, m.grads()
-    logits = m(torch.from_numpy(SRC_TOKENS), torch.from_numpy(TGT_TOKENS))
-    logits.backward(torch.from_numpy(dlogits))
-    return to_numpy(logits), {k: to_numpy(p.grad) for k, p in m.named_parameters()}
+    with counting_tiled_calls() as calls:
+        if track == "numpy":
+            logits = m(SRC_TOKENS, TGT_TOKENS)
+            m.zero_grad()
+            m.backward(dlogits)
+            grads = m.grads()
+        else:
+            logits = m(torch.from_numpy(SRC_TOKENS), torch.from_numpy(TGT_TOKENS))
+            logits.backward(torch.from_numpy(dlogits))
+            logits, grads = to_numpy(logits), {k: to_numpy(p.grad) for k, p in m.named_parameters()}
+    assert (len(calls) > 0) == (attention == "flash"), f"{len(calls)} tiled calls with attention={attention!r}"
+    return logits, grads
 
 
 @pytest.mark.parametrize("norm_first", [False, True], ids=["postLN", "preLN"])

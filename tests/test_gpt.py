@@ -242,7 +242,10 @@ def test_cached_logits_equal_uncached(lib, norm, positional, activation, n_kv_he
 
 
 def test_numpy_backward_after_forward_step_is_an_error():
+    """A forward fills the caches; a forward_step after it must not leave them for a backward that would then
+    differentiate the earlier forward."""
     model = np_gpt()
+    model(INPUTS)
     model.forward_step(INPUTS, {})
     with pytest.raises(RuntimeError, match="before forward"):
         model.backward(np.ones((2, 5, V)))
@@ -479,6 +482,11 @@ def test_flash_and_sdpa_equal_explicit_attention_float64(norm, positional, activ
     for attention in ("flash", "sdpa"):
         t = tt.use_attention(twin(model), attention, block_size=2)
         assert_same(grads_of(t, tt), explicit)  # the NumPy explicit model: twin agreement and option agreement
+        # the option's path ran: the explicit one keeps its weights (the twin's explicit run above: not None)
+        assert all(m.attn_weights is None for _, m in t.named_modules() if isinstance(m, tt.GroupedQueryAttention))
+    t = twin(model)
+    grads_of(t, tt)
+    assert all(m.attn_weights is not None for _, m in t.named_modules() if isinstance(m, tt.GroupedQueryAttention))
 
 
 def test_whole_model_gradient_check_with_tiled_attention():

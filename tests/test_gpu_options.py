@@ -6,6 +6,7 @@ The speed of these options on a GPU is measured in benchmarks/gpu_train.py, not 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 import tfm_numpy as tn
 import tfm_torch as tt
@@ -62,11 +63,25 @@ def test_sdpa_decodes_the_same_tokens_with_the_cache():
         assert torch.equal(a, b)
 
 
-def test_sdpa_trains_with_attention_dropout():
-    m = model("sdpa", dropout=0.3).train()  # the dropout mask comes from torch's global generator
+def test_sdpa_trains_with_attention_dropout(monkeypatch):
+    """The fused kernel is given the attention dropout in training and none in evaluation (its mask comes from
+    torch's global generator), and the step's gradients are finite."""
+    seen, kernel = [], F.scaled_dot_product_attention
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs.get("dropout_p", 0.0))
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+    m = model("sdpa", dropout=0.3).train()
     torch.manual_seed(0)
     grads(m)
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.parameters())
+    assert len(seen) == 6 and set(seen) == {0.3}  # 2 encoder + 2 x 2 decoder attentions
+    seen.clear()
+    with torch.no_grad():
+        m.eval()(SRC, TGT[:, :-1])
+    assert len(seen) == 6 and set(seen) == {0.0}
 
 
 def test_sdpa_is_a_torch_only_option_refused_by_numpy_with_its_name():
@@ -183,8 +198,18 @@ def test_reference_transformer_states_its_causal_mask_without_changing_a_bit():
     # tgt_is_causal=True spares torch.nn.Transformer reading the mask's values (the compile break above); with the key
     # padding masks it is always given, torch merges the masks and computes exactly what it did without the hint
     ref = tt.to_torch_nn_transformer(model()).train()
-    hinted = ref(SRC, TGT[:, :-1])
-    plain = ref.transformer.forward
+    plain, hints = ref.transformer.forward, []
+
+    def recording(*args, **kwargs):
+        hints.append(kwargs.get("tgt_is_causal"))
+        return plain(*args, **kwargs)
+
+    ref.transformer.forward = recording
+    try:
+        hinted = ref(SRC, TGT[:, :-1])
+    finally:
+        del ref.transformer.forward
+    assert hints == [True]  # the hint is given
     ref.transformer.forward = lambda *a, tgt_is_causal=None, **k: plain(*a, **k)  # the call without the hint
     try:
         unhinted = ref(SRC, TGT[:, :-1])

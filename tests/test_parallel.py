@@ -171,6 +171,7 @@ def test_recompute_torch_gives_the_cached_gradients(dropout):
     m = np_model()
     cached, rec = torch_twin(m, dropout=dropout), torch_twin(m, dropout=dropout)
     tt.recompute(rec)
+    assert all(isinstance(layer, tt.Recompute) for layer in (*rec.encoder.layers, *rec.decoder.layers))
     assert list(rec.state_dict()) == list(cached.state_dict())
     for _ in range(2):
         grads = []
@@ -252,6 +253,7 @@ def test_torch_ddp_on_gloo_equals_one_process():
     start = time.monotonic()
     out = tt.train_ddp(model, ids, batch_size=4, steps=2, world=2, lr=1e-2, timeout=90)
     assert time.monotonic() - start < 90 and mp.active_children() == []
+    assert len(out) == 2  # one result per process: the checks below are not over an empty list
     opt = tt.make_adam(ref, lr=1e-2)
     for step in tt.sampler_batches(len(ids), 4, 2, 2):
         b = make_batches([ids[i] for r in step for i in r], 8, shuffle=False, sort_by_length=False)[0]
@@ -307,7 +309,10 @@ def test_mixed_step_skips_on_overflow_and_otherwise_tracks_float32(track):
     for b in data:
         r = track.train_step_mixed(model, b, opt, loss_fn(track), 1e-2, scaler, "float16")
         r_ref = track.train_step(ref, b, opt_ref, loss_fn(track), 1e-2)
-        assert not r.skipped and abs(r.loss - r_ref.loss) < 0.05  # float16 storage: close, not equal
+        # float16 storage: close, not equal (measured: losses within 7e-4). The norm is of the unscaled gradients:
+        # Adam hides a missing unscale in the losses (it divides by the gradients' scale), the norm does not.
+        assert not r.skipped and abs(r.loss - r_ref.loss) < 5e-3
+        assert abs(r.grad_norm - r_ref.grad_norm) < 0.05 * r_ref.grad_norm
     with pytest.raises(TypeError, match="float32 master weights"):
         m64 = np_model() if track is tn else torch_twin(np_model())
         track.train_step_mixed(m64, data[0], track.make_adam(m64), loss_fn(track), 1e-2)

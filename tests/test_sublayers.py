@@ -175,6 +175,7 @@ def test_numpy_and_torch_twin_agree_with_dropout_on_and_shared_masks():
     t_result = run_torch(t_mod, args, grad_out)
     assert max_abs_diff(np_result[0], t_result[0]) < TRACK_TOL
     assert all(max_abs_diff(np_result[2][k], t_result[2][k]) < TRACK_TOL for k in np_result[2])
+    assert max_abs_diff(np_result[1][0], t_result[1][0]) < TRACK_TOL  # dx
     assert max_abs_diff(np_result[1][1], t_result[1][1]) < TRACK_TOL  # d memory
 
 
