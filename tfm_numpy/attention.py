@@ -305,6 +305,7 @@ class MultiHeadAttention(Module):
 
     def forward(self, query: np.ndarray, key: np.ndarray, value: np.ndarray, mask: np.ndarray | None = None):
         self._check(query, key, value)
+        check_attention_call("MultiHeadAttention", self, query.shape[0], query.shape[1], key.shape[1], mask)
         q = self._queries(query)  # (B, H, Tq, dk)
         k = self._heads(self.k_proj, key)  # (B, H, Tk, dk)
         v = self._heads(self.v_proj, value)  # (B, H, Tk, dk)
@@ -345,6 +346,9 @@ class MultiHeadAttention(Module):
         call only. `mask` covers all the keys so far, (B, 1, Tn, T) or (B, 1, 1, S).
         """
         self._check(query, key, value)
+        cached = cache["k"].shape[2] if "k" in cache else 0  # positions (or, static, memory keys) already there
+        keys = cached if static and "k" in cache else cached + key.shape[1]
+        check_attention_call("MultiHeadAttention", self, query.shape[0], query.shape[1], keys, mask, cache)
         self._cache = None  # nothing for a backward: one after this step is an error, not a wrong gradient
         if not (static and "k" in cache):
             k = self._heads(self.k_proj, key)  # (B, H, Tn, dk), or (B, H, S, dk) for the memory
@@ -412,12 +416,30 @@ def make_attention(head_projection: str, d_model: int, n_heads: int, dropout: fl
 def flash_heads(owner: str, module, q, k, v, mask):
     """`flash_attention(q, k, v, mask)` in tiles of `module.block_size`: (out, lse). The tiled kernel has no dropout
     on the weights, so a module training with attention dropout is refused rather than silently trained without."""
-    if module.training and module.dropout.p > 0:
+    _refuse_flash_dropout(owner, module)
+    return flash_attention(q, k, v, mask, block_size=module.block_size)
+
+
+def _refuse_flash_dropout(owner: str, module) -> None:
+    if module.attention == "flash" and module.training and module.dropout.p > 0:
         raise ValueError(
             f"{owner}: attention='flash' has no dropout on the attention weights, got dropout="
             f"{module.dropout.p} in training mode; use dropout=0.0, eval(), or attention='explicit'"
         )
-    return flash_attention(q, k, v, mask, block_size=module.block_size)
+
+
+def check_attention_call(owner: str, module, batch: int, tq: int, tk: int, mask, cache: dict | None = None) -> None:
+    """What an attention module checks before it projects, caches or stores anything, so that a refused call
+    changes nothing (a backward after it still differentiates the last good forward): the mask against the scores'
+    shape (B, H, Tq, Tk), the rows of a decoding cache, and the tiled kernel's refusal of attention dropout."""
+    if cache is not None and "k" in cache and cache["k"].shape[0] != batch:
+        raise ValueError(
+            f"{owner}: the cache holds {cache['k'].shape[0]} rows, the input has {batch}; start a new cache for a "
+            "new batch (or reorder it with reorder_cache)"
+        )
+    if mask is not None:
+        _check_mask(mask, (batch, module.n_heads, tq, tk))
+    _refuse_flash_dropout(owner, module)
 
 
 def check_attention(owner: str, attention, block_size) -> tuple[str, int]:

@@ -13,7 +13,13 @@ import numpy as np
 
 from tfm_common.validate import check_real, check_size, check_sizes
 
-from .attention import attention_weights, attention_weights_backward, check_attention, flash_heads
+from .attention import (
+    attention_weights,
+    attention_weights_backward,
+    check_attention,
+    check_attention_call,
+    flash_heads,
+)
 from .flash import flash_attention_backward
 from .layers import Dropout, Linear
 from .module import Module, Parameter, as_rng, check_dtype, check_grad, check_input
@@ -293,11 +299,15 @@ class GroupedQueryAttention(Module):
         B, n, T, _ = x.shape
         return x.transpose(0, 2, 1, 3).reshape(B, T, n * self.d_head)
 
-    def _project(self, x: np.ndarray, offset: int):
-        """Queries (B, H, T, dh), keys and values (B, Hkv, T, dh), queries and keys rotated if RoPE is on."""
+    def _check(self, x: np.ndarray, mask, keys: int, cache: dict | None = None) -> None:
+        """x (B, T, d_model) and the mask over `keys` keys, before anything is projected, cached or stored."""
         check_input("GroupedQueryAttention: x", x, ndim_min=3, last_dim=self.d_model, dtype=self.q_proj.weight.dtype)
         if x.ndim != 3:
             raise ValueError(f"GroupedQueryAttention: x must be (B, T, d_model), got shape {x.shape}")
+        check_attention_call("GroupedQueryAttention", self, x.shape[0], x.shape[1], keys, mask, cache)
+
+    def _project(self, x: np.ndarray, offset: int):
+        """Queries (B, H, T, dh), keys and values (B, Hkv, T, dh), queries and keys rotated if RoPE is on."""
         q = self._split(self.q_proj(x), self.n_heads)
         k = self._split(self.k_proj(x), self.n_kv_heads)
         v = self._split(self.v_proj(x), self.n_kv_heads)
@@ -306,6 +316,7 @@ class GroupedQueryAttention(Module):
         return q, k, v
 
     def forward(self, x: np.ndarray, mask: np.ndarray | None = None, offset: int = 0) -> np.ndarray:
+        self._check(x, mask, x.shape[1] if isinstance(x, np.ndarray) and x.ndim == 3 else 0)
         q, k, v = self._project(x, offset)
         n_rep = self.n_heads // self.n_kv_heads
         k_rep, v_rep = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # (B, H, T, dh): each kv head to its query heads
@@ -367,6 +378,7 @@ class GroupedQueryAttention(Module):
         ones are appended. The new positions start at T (the cache's length), where RoPE rotates them. `mask`
         covers all keys so far, (B or 1, 1, Tn, T + Tn)."""
         offset = cache["k"].shape[2] if "k" in cache else 0
+        self._check(x, mask, offset + (x.shape[1] if isinstance(x, np.ndarray) and x.ndim == 3 else 0), cache)
         q, k, v = self._project(x, offset)
         self._cache = None  # nothing for a backward: one after this step is an error, not a wrong gradient
         if "k" in cache:

@@ -17,6 +17,7 @@ import numpy as np
 from tfm_common.pitfalls import LAYER_PITFALLS, MODEL_PITFALLS, check_model_pitfalls
 from tfm_common.validate import check_decode_cache
 
+from .attention import _check_mask as check_mask
 from .attention import causal_mask, check_attention, decoder_mask, padding_mask, use_attention
 from .decoding import cache_append
 from .encoder_decoder import Decoder, Encoder, _check_bool, _check_positive
@@ -222,6 +223,17 @@ class Transformer(Module):
         self._cache = (logits.shape, logits.dtype)
         return logits
 
+    def _check_step_inputs(self, memory, src_mask, B: int, Tn: int) -> None:
+        """decode_step's memory (B, S, d_model) and src_mask, checked before anything is appended to the cache:
+        a refused step leaves the cache as it was, and the same search can go on."""
+        check_input("Transformer.decode_step: memory", memory, dtype=self.tgt_embed.weight.dtype)
+        if memory.ndim != 3 or memory.shape[0] != B or memory.shape[2] != self.d_model:
+            raise ValueError(f"Transformer.decode_step: memory expected shape (B={B}, S, {self.d_model}), "
+                             f"got {memory.shape}")  # fmt: skip
+        if src_mask is not None:
+            heads = self.decoder.layers[0].cross_attn.n_heads if len(self.decoder.layers) else 1
+            check_mask(src_mask, (B, heads, Tn, memory.shape[1]))
+
     def decode_step(self, tgt_new: np.ndarray, memory: np.ndarray, src_mask: np.ndarray, cache: dict) -> np.ndarray:
         """Incremental decoding (inference only): the logits of the new target tokens `tgt_new` (B, Tn), usually
         Tn = 1, the last token, given the `cache` of every earlier call (a dict, empty at the first call; filled
@@ -241,9 +253,7 @@ class Transformer(Module):
         t0, Tn = cache.get("length", 0), tgt_new.shape[1]
         if t0 + Tn > self.max_len:
             raise ValueError(f"Transformer.decode_step: positions up to {t0 + Tn - 1} exceed max_len={self.max_len}")
-        if memory.ndim != 3 or memory.shape[0] != tgt_new.shape[0]:
-            raise ValueError(f"Transformer.decode_step: memory expected shape (B={tgt_new.shape[0]}, S, "
-                             f"{self.d_model}), got {memory.shape}")  # fmt: skip
+        self._check_step_inputs(memory, src_mask, tgt_new.shape[0], Tn)  # before the cache changes at all
         cap = min(cache.setdefault("capacity", self.max_len), self.max_len)  # positions to make room for, once
         keep = cache_append(cache, "keep", padding_mask(tgt_new, self.pad_id), axis=3)  # (B, 1, 1, T), in place
         causal = np.tri(Tn, t0 + Tn, t0, dtype=bool)  # (Tn, T): new i sees 0 .. t0 + i

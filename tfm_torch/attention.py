@@ -227,6 +227,7 @@ class MultiHeadAttention(nn.Module):
 
     def forward(self, query, key, value, mask=None) -> torch.Tensor:
         self._check(query, key, value)
+        check_attention_call("MultiHeadAttention", self, query.shape[0], query.shape[1], key.shape[1], mask)
         q = self._queries(query)  # (B, H, Tq, dk)
         k = self._heads(self.k_proj, key)  # (B, H, Tk, dk)
         v = self._heads(self.v_proj, value)  # (B, H, Tk, dk)
@@ -244,6 +245,9 @@ class MultiHeadAttention(nn.Module):
         (B, H, T, dk), in place in preallocated buffers (see `cache_append`); static=True (cross-attention)
         projects the memory on the first call only."""
         self._check(query, key, value)
+        cached = cache["k"].shape[2] if "k" in cache else 0  # positions (or, static, memory keys) already there
+        keys = cached if static and "k" in cache else cached + key.shape[1]
+        check_attention_call("MultiHeadAttention", self, query.shape[0], query.shape[1], keys, mask, cache)
         if not (static and "k" in cache):
             k = self._heads(self.k_proj, key)  # (B, H, Tn, dk), or (B, H, S, dk) for the memory
             v = self._heads(self.v_proj, value)
@@ -294,12 +298,31 @@ def make_attention(head_projection: str, d_model: int, n_heads: int, dropout: fl
 def flash_heads(owner: str, module, q, k, v, mask) -> torch.Tensor:
     """The heads' output of `flash_attention(q, k, v, mask)` in tiles of `module.block_size` (as tfm_numpy's, which
     also returns lse): a module training with attention dropout is refused, the tiled kernel has none."""
-    if module.training and module.dropout.p > 0:
+    _refuse_flash_dropout(owner, module)
+    return flash_attention(q, k, v, mask, block_size=module.block_size)[0]
+
+
+def _refuse_flash_dropout(owner: str, module) -> None:
+    if module.attention == "flash" and module.training and module.dropout.p > 0:
         raise ValueError(
             f"{owner}: attention='flash' has no dropout on the attention weights, got dropout="
             f"{module.dropout.p} in training mode; use dropout=0.0, eval(), or attention='explicit'"
         )
-    return flash_attention(q, k, v, mask, block_size=module.block_size)[0]
+
+
+def check_attention_call(owner: str, module, batch: int, tq: int, tk: int, mask, cache: dict | None = None) -> None:
+    """What an attention module checks before it projects, caches or stores anything, as tfm_numpy's (a refused
+    call changes nothing): the mask against the scores' shape (B, H, Tq, Tk), also for attention="sdpa", whose
+    kernel would read a float mask as an additive bias; the rows of a decoding cache; the tiled kernel's refusal of
+    attention dropout."""
+    if cache is not None and "k" in cache and cache["k"].shape[0] != batch:
+        raise ValueError(
+            f"{owner}: the cache holds {cache['k'].shape[0]} rows, the input has {batch}; start a new cache for a "
+            "new batch (or reorder it with reorder_cache)"
+        )
+    if mask is not None:
+        _check_mask(mask, (batch, module.n_heads, tq, tk))
+    _refuse_flash_dropout(owner, module)
 
 
 def check_attention(owner: str, attention, block_size) -> tuple[str, int]:

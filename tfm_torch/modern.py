@@ -9,7 +9,7 @@ from torch import nn
 
 from tfm_common.validate import check_real, check_size, check_sizes
 
-from .attention import attention_weights, check_attention, flash_heads
+from .attention import attention_weights, check_attention, check_attention_call, flash_heads
 from .layers import Dropout, Linear
 from .module import as_generator, check_dtype, check_input
 
@@ -181,10 +181,14 @@ class GroupedQueryAttention(nn.Module):
         B, n, T, _ = x.shape
         return x.transpose(1, 2).reshape(B, T, n * self.d_head)
 
-    def _project(self, x: torch.Tensor, offset: int):
+    def _check(self, x: torch.Tensor, mask, keys: int, cache: dict | None = None) -> None:
+        """x (B, T, d_model) and the mask over `keys` keys, before anything is projected or cached (as tfm_numpy's)."""
         check_input("GroupedQueryAttention: x", x, ndim_min=3, last_dim=self.d_model, dtype=self.q_proj.weight.dtype)
         if x.dim() != 3:
             raise ValueError(f"GroupedQueryAttention: x must be (B, T, d_model), got shape {tuple(x.shape)}")
+        check_attention_call("GroupedQueryAttention", self, x.shape[0], x.shape[1], keys, mask, cache)
+
+    def _project(self, x: torch.Tensor, offset: int):
         q = self._split(self.q_proj(x), self.n_heads)
         k = self._split(self.k_proj(x), self.n_kv_heads)
         v = self._split(self.v_proj(x), self.n_kv_heads)
@@ -209,11 +213,13 @@ class GroupedQueryAttention(nn.Module):
         return flash_heads("GroupedQueryAttention", self, q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), mask)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, offset: int = 0) -> torch.Tensor:
+        self._check(x, mask, x.shape[1] if isinstance(x, torch.Tensor) and x.dim() == 3 else 0)
         return self._attend(*self._project(x, offset), mask)  # (B, T, d)
 
     def forward_step(self, x: torch.Tensor, cache: dict, mask: torch.Tensor | None = None) -> torch.Tensor:
         """`forward` for new positions only; cache["k"], cache["v"] (B, Hkv, T, dh) grow by the new ones."""
         offset = cache["k"].shape[2] if "k" in cache else 0
+        self._check(x, mask, offset + (x.shape[1] if isinstance(x, torch.Tensor) and x.dim() == 3 else 0), cache)
         q, k, v = self._project(x, offset)
         if "k" in cache:
             k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)

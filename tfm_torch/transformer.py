@@ -18,6 +18,7 @@ from torch import nn
 from tfm_common.pitfalls import LAYER_PITFALLS, MODEL_PITFALLS, check_model_pitfalls
 from tfm_common.validate import check_decode_cache
 
+from .attention import _check_mask as check_mask
 from .attention import causal_mask, check_attention, decoder_mask, padding_mask, use_attention
 from .decoding import cache_append
 from .encoder_decoder import Decoder, Encoder, _check_bool, _check_positive, _Counted
@@ -184,6 +185,17 @@ class Transformer(_Counted):
         y = self.decoder(y, memory, tgt_mask, src_mask)  # (B, T, d)
         return self._logits(y)  # (B, T, V)
 
+    def _check_step_inputs(self, memory, src_mask, B: int, Tn: int) -> None:
+        """decode_step's memory (B, S, d_model) and src_mask, checked before anything is appended to the cache
+        (as tfm_numpy's): a refused step leaves the cache as it was."""
+        check_input("Transformer.decode_step: memory", memory, dtype=self.tgt_embed.weight.dtype)
+        if memory.dim() != 3 or memory.shape[0] != B or memory.shape[2] != self.d_model:
+            raise ValueError(f"Transformer.decode_step: memory expected shape (B={B}, S, {self.d_model}), "
+                             f"got {tuple(memory.shape)}")  # fmt: skip
+        if src_mask is not None:
+            heads = self.decoder.layers[0].cross_attn.n_heads if len(self.decoder.layers) else 1
+            check_mask(src_mask, (B, heads, Tn, memory.shape[1]))
+
     def decode_step(self, tgt_new: torch.Tensor, memory: torch.Tensor, src_mask: torch.Tensor, cache: dict):
         """Incremental decoding (inference): the logits (B, Tn, V) of the new target tokens `tgt_new` (B, Tn) given
         the `cache` of the earlier calls (a dict, empty at first, filled here; the layout of tfm_numpy's: the target
@@ -193,9 +205,7 @@ class Transformer(_Counted):
         t0, Tn = cache.get("length", 0), tgt_new.shape[1]
         if t0 + Tn > self.max_len:
             raise ValueError(f"Transformer.decode_step: positions up to {t0 + Tn - 1} exceed max_len={self.max_len}")
-        if memory.dim() != 3 or memory.shape[0] != tgt_new.shape[0]:
-            raise ValueError(f"Transformer.decode_step: memory expected shape (B={tgt_new.shape[0]}, S, "
-                             f"{self.d_model}), got {tuple(memory.shape)}")  # fmt: skip
+        self._check_step_inputs(memory, src_mask, tgt_new.shape[0], Tn)  # before the cache changes at all
         cap = min(cache.setdefault("capacity", self.max_len), self.max_len)  # positions to make room for, once
         keep = cache_append(cache, "keep", padding_mask(tgt_new, self.pad_id), axis=3)  # (B, 1, 1, T), in place
         causal = torch.ones(Tn, t0 + Tn, dtype=torch.bool, device=tgt_new.device).tril(t0)  # new i sees 0 .. t0 + i

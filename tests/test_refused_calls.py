@@ -1,0 +1,108 @@
+"""A refused call changes nothing: attention checks its mask (also torch's attention="sdpa", whose kernel would read
+a float mask as an additive bias), the rows of a decoding cache and the tiled kernel's dropout refusal BEFORE it
+projects, caches or stores anything; decode_step checks its memory and source mask before the cache grows. Both
+tracks alike."""
+
+import numpy as np
+import pytest
+import torch
+
+import tfm_numpy as tn
+import tfm_torch as tt
+
+D, H, T = 8, 2, 4
+RNG = np.random.default_rng(0)
+X = RNG.standard_normal((2, T, D))
+TRACKS = ["numpy", "torch"]
+
+
+def lib_of(track):
+    return (tn, np.asarray, np.float64) if track == "numpy" else (tt, torch.from_numpy, torch.float64)
+
+
+def attention(track, kind, attn="explicit"):
+    lib, _, dt = lib_of(track)
+    if kind == "mha":
+        return lib.MultiHeadAttention(D, H, attention=attn, rng=0, dtype=dt)
+    return lib.GroupedQueryAttention(D, H, n_kv_heads=1, attention=attn, rng=0, dtype=dt)
+
+
+def call(m, kind, x, mask=None):
+    return m(x, x, x, mask) if kind == "mha" else m(x, mask)
+
+
+def step(m, kind, x, cache, mask=None):
+    return m.forward_step(x, x, x, cache, mask) if kind == "mha" else m.forward_step(x, cache, mask)
+
+
+@pytest.mark.parametrize("kind", ["mha", "gqa"])
+@pytest.mark.parametrize("track,attn", [("numpy", "explicit"), ("torch", "explicit"), ("torch", "sdpa")])
+def test_a_float_or_misshaped_mask_is_refused_by_every_attention_path(track, attn, kind):
+    _, A, _ = lib_of(track)
+    m = attention(track, kind, attn)
+    causal = np.tril(np.ones((T, T), dtype=bool))
+    with pytest.raises(TypeError, match="mask: expected a boolean"):
+        call(m, kind, A(X), A(causal.astype(np.float64)))  # sdpa would add it to the scores
+    with pytest.raises(ValueError, match=r"does not broadcast to the attention scores' shape \(2, 2, 4, 4\)"):
+        call(m, kind, A(X), A(np.ones((3, T), dtype=bool)))
+
+
+@pytest.mark.parametrize("kind", ["mha", "gqa"])
+@pytest.mark.parametrize("track", TRACKS)
+def test_a_refused_step_leaves_the_cache_as_it_was(track, kind):
+    _, A, _ = lib_of(track)
+    m = attention(track, kind).eval()
+    cache = {}
+    step(m, kind, A(X[:, :1]), cache)
+    length = cache["k"].shape[2]
+    with pytest.raises(ValueError, match="does not broadcast"):
+        step(m, kind, A(X[:, 1:2]), cache, A(np.ones((2, 1, 1, 5), dtype=bool)))  # 5 keys, not 2
+    assert cache["k"].shape[2] == length  # not grown by the refused step
+    with pytest.raises(ValueError, match="the cache holds 2 rows, the input has 1"):
+        step(m, kind, A(X[:1, 1:2]), cache)
+    assert cache["k"].shape[2] == length
+    step(m, kind, A(X[:, 1:2]), cache)  # the search goes on
+    assert cache["k"].shape[2] == length + 1
+
+
+@pytest.mark.parametrize("kind", ["mha", "gqa"])
+def test_numpy_a_refused_forward_leaves_the_last_forward_to_its_backward(kind):
+    m = attention("numpy", kind)
+    g = RNG.standard_normal(X.shape)
+
+    def grads():
+        return {k: v.copy() for k, v in m.grads().items()}
+
+    m.zero_grad()
+    call(m, kind, X)
+    m.backward(g)
+    expected = grads()
+    m.zero_grad()
+    call(m, kind, X)
+    with pytest.raises(ValueError, match="does not broadcast"):
+        call(m, kind, 2 * X, np.ones((3, T), dtype=bool))  # refused before the projections cache 2 X
+    m.backward(g)
+    assert all(np.array_equal(v, expected[k]) for k, v in grads().items())
+
+
+@pytest.mark.parametrize("track", TRACKS)
+def test_a_refused_decode_step_leaves_the_cache_as_it_was(track):
+    lib, A, dt = lib_of(track)
+    model = lib.Transformer(9, 9, d_model=D, n_heads=H, d_ff=16, n_layers=2, dropout=0.0, max_len=8, rng=0, dtype=dt)
+    model.eval()
+    src, tgt = A(np.array([[3, 4, 5], [6, 7, 8]])), A(np.array([[1, 4, 5], [1, 6, 2]]))
+    with torch.no_grad():
+        memory, src_mask = model.encode(src)
+        cache = {}
+        model.decode_step(tgt[:, :1], memory, src_mask, cache)
+        before = (cache["length"], cache["keep"].shape, cache["layers"][0]["self_attn"]["k"].shape)
+        for bad_memory, bad_mask, error in ((memory[..., :4], src_mask, ValueError),
+                                            (memory, src_mask[..., :2], ValueError),
+                                            (memory, A(np.ones((2, 1, 1, 3))), TypeError)):  # fmt: skip
+            with pytest.raises(error):
+                model.decode_step(tgt[:, 1:2], bad_memory, bad_mask, cache)
+            assert (cache["length"], cache["keep"].shape, cache["layers"][0]["self_attn"]["k"].shape) == before
+        step = model.decode_step(tgt[:, 1:2], memory, src_mask, cache)  # the search goes on, and is right
+        full = model.decode(tgt[:, :2], memory, src_mask)
+    diff = np.abs(np.asarray(step[:, 0]) - np.asarray(full[:, -1])).max()
+    assert diff < 1e-12
