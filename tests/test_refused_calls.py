@@ -6,6 +6,7 @@ tracks alike."""
 import numpy as np
 import pytest
 import torch
+from helpers_tracks import to_numpy
 
 import tfm_numpy as tn
 import tfm_torch as tt
@@ -106,3 +107,23 @@ def test_a_refused_decode_step_leaves_the_cache_as_it_was(track):
         full = model.decode(tgt[:, :2], memory, src_mask)
     diff = np.abs(np.asarray(step[:, 0]) - np.asarray(full[:, -1])).max()
     assert diff < 1e-12
+
+
+@pytest.mark.parametrize("track", TRACKS)
+def test_a_refused_load_state_dict_changes_nothing(track):
+    """torch's own load copies every matching entry before it raises; both tracks now check first, with the same
+    errors, and a NumPy state_dict loads into the torch model as it is."""
+    lib, A, dt = lib_of(track)
+    model = lib.Transformer(9, 9, d_model=D, n_heads=H, d_ff=16, n_layers=1, max_len=8, rng=0, dtype=dt)
+    before = {k: to_numpy(v).copy() for k, v in model.state_dict().items()}
+    other = tn.Transformer(9, 9, d_model=D, n_heads=H, d_ff=16, n_layers=1, max_len=8, rng=1, dtype=np.float64)
+    new = other.state_dict()  # NumPy arrays, for either track
+    last = list(new)[-1]
+    for bad, error, match in ((new | {last: np.zeros(3)}, ValueError, f"'{last}' expected shape"),
+                              ({k: v for k, v in new.items() if k != last}, KeyError, "missing keys"),
+                              (new | {"extra.weight": np.zeros(3)}, KeyError, "unexpected keys")):  # fmt: skip
+        with pytest.raises(error, match=match):
+            model.load_state_dict(bad)
+        assert all(np.array_equal(to_numpy(v), before[k]) for k, v in model.state_dict().items())
+    model.load_state_dict(new)
+    assert all(np.array_equal(to_numpy(v), new[k]) for k, v in model.state_dict().items())

@@ -11,7 +11,6 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from tfm_common.pitfalls import HEAD_PROJECTIONS, SCORE_SCALES
 from tfm_common.validate import check_choice, check_size, check_sizes
@@ -19,7 +18,7 @@ from tfm_common.validate import check_choice, check_size, check_sizes
 from .decoding import cache_append
 from .flash import flash_attention
 from .layers import Dropout, Linear
-from .module import _autocast_dtype, as_generator, check_dtype, check_input
+from .module import Module, _autocast_dtype, as_generator, check_dtype, check_input
 
 __all__ = [
     "attention_weights",
@@ -148,7 +147,7 @@ def decoder_mask(tgt_tokens: torch.Tensor, pad_id: int) -> torch.Tensor:
 # -- multi-head attention ------------------------------------------------------------------------------------
 
 
-class MultiHeadAttention(nn.Module):
+class MultiHeadAttention(Module):
     """Multi-head attention, the twin of tfm_numpy.MultiHeadAttention (same submodules, same keys).
 
     forward(query (B, Tq, d), key (B, Tk, d), value (B, Tk, d), mask) -> (B, Tq, d); `attn_weights` keeps

@@ -15,7 +15,7 @@ from tfm_common.validate import check_choice, check_flag, check_sizes
 
 from .attention import make_attention
 from .layers import Dropout, LayerNorm
-from .module import as_generator, check_dtype, check_input
+from .module import Module, as_generator, check_dtype, check_input
 from .sublayers import PositionwiseFeedForward, check_activation
 
 __all__ = ["DROPOUT_PLACES", "EncoderLayer", "DecoderLayer", "Encoder", "Decoder"]
@@ -36,7 +36,7 @@ def _check_x(name: str, x, norm: LayerNorm) -> None:
         raise ValueError(f"{name}: expected shape (B, T, d_model), got {tuple(x.shape)}")
 
 
-class _Counted(nn.Module):
+class _Counted(Module):
     def num_parameters(self) -> int:
         """Unique parameters (a tied one counted once), as tfm_numpy's Module.num_parameters."""
         return sum(p.numel() for p in self.parameters())

@@ -18,7 +18,7 @@ from .attention import causal_mask, check_attention, use_attention
 from .functional import log_softmax
 from .layers import Dropout, Embedding, LayerNorm, Linear
 from .modern import GroupedQueryAttention, RMSNorm, RotaryEmbedding, SwiGLUFeedForward, swiglu_hidden_size
-from .module import as_generator, check_dtype, check_indices
+from .module import Module, as_generator, check_dtype, check_indices
 from .optim import clip_grad_norm, set_lr
 from .positional import LearnedPositionalEmbedding, PositionalEncoding, sinusoidal_positional_encoding
 from .sublayers import PositionwiseFeedForward
@@ -32,7 +32,7 @@ def make_norm(norm: str, d_model: int, dtype) -> nn.Module:
     return LayerNorm(d_model, dtype=dtype) if norm == "layernorm" else RMSNorm(d_model, dtype=dtype)
 
 
-class GPTBlock(nn.Module):
+class GPTBlock(Module):
     """x = x + dropout1(self_attn(norm1(x))); x = x + dropout2(ff(norm2(x))) (twin of tfm_numpy's)."""
 
     def __init__(
@@ -70,7 +70,7 @@ class GPTBlock(nn.Module):
         return x + self.dropout2(self.ff(self.norm2(x)))
 
 
-class GPT(nn.Module):
+class GPT(Module):
     """The decoder-only Transformer, twin of tfm_numpy.GPT (see its docstring for the options and initialization).
     `model(tokens)` (B, T) -> logits (B, T, vocab_size). A tied weight is one nn.Parameter under two names."""
 
@@ -244,7 +244,7 @@ def lm_eval_loss(model: GPT, ids, block_size: int, batch_size: int = 32) -> tupl
 # -- a GPT from torch.nn's own layers: what a user would build, the reference of the benchmark ---------------------
 
 
-class ReferenceGPT(nn.Module):
+class ReferenceGPT(Module):
     """The 2017-style GPT (LayerNorm, learned or sinusoidal positions, ReLU or GELU, one key/value head per query
     head) built from torch's layers: nn.Embedding, nn.TransformerEncoder of nn.TransformerEncoderLayer(norm_first=
     True) with its final nn.LayerNorm, and a causal mask; the output layer tied or not as in `GPT`. Build it with

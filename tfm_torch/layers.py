@@ -11,12 +11,12 @@ from torch import nn
 from tfm_common.validate import check_sizes
 from tfm_common.validate import normalized_shape as normalized_shape_of
 
-from .module import as_generator, check_dtype, check_indices, check_input, check_probability
+from .module import Module, as_generator, check_dtype, check_indices, check_input, check_probability
 
 __all__ = ["Linear", "Embedding", "ReLU", "GELU", "Dropout", "LayerNorm"]
 
 
-class Linear(nn.Module):
+class Linear(Module):
     """y = x W^T + b; initialization as torch's default, drawn from an explicit generator."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, rng=None, dtype=None):
@@ -38,7 +38,7 @@ class Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-class Embedding(nn.Module):
+class Embedding(Module):
     """A lookup table (num_embeddings, embedding_dim); row `padding_idx` starts at zero and gets no gradient.
 
     Initialization as torch.nn.Embedding: N(0, 1). F.embedding does the lookup and, given
@@ -79,7 +79,7 @@ def _check_padding_idx(padding_idx, num_embeddings: int) -> int | None:
     return padding_idx % num_embeddings
 
 
-class ReLU(nn.Module):
+class ReLU(Module):
     """y = max(x, 0)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -87,7 +87,7 @@ class ReLU(nn.Module):
         return torch.relu(x)
 
 
-class GELU(nn.Module):
+class GELU(Module):
     """y = x Phi(x), Phi(x) = (1 + erf(x / sqrt 2)) / 2; approximate="tanh" uses
     Phi(x) ~ (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) / 2. Written out (not F.gelu) to mirror tfm_numpy."""
 
@@ -107,7 +107,7 @@ class GELU(nn.Module):
         return f"approximate={self.approximate!r}"
 
 
-class Dropout(nn.Module):
+class Dropout(Module):
     """Inverted dropout: in training, zero each entry with probability p and scale the rest by 1/(1-p);
     identity in eval. Masks come from `rng` (a torch.Generator or seed), not the global generator.
 
@@ -143,7 +143,7 @@ class Dropout(nn.Module):
         return f"p={self.p}"
 
 
-class LayerNorm(nn.Module):
+class LayerNorm(Module):
     """(x - mean) / sqrt(var + eps) * weight + bias over the last len(normalized_shape) dims, biased variance.
 
     Written out (not F.layer_norm) to mirror tfm_numpy; the tests compare it with torch.nn.LayerNorm.

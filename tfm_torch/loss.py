@@ -7,15 +7,14 @@ with F.cross_entropy. Autograd does the backward.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from .functional import log_softmax
-from .module import _autocast_dtype, check_indices, check_input, check_probability
+from .module import Module, _autocast_dtype, check_indices, check_input, check_probability
 
 __all__ = ["CrossEntropyLoss"]
 
 
-class CrossEntropyLoss(nn.Module):
+class CrossEntropyLoss(Module):
     """Mean cross-entropy over positions whose target is not `ignore_index`; classes on the LAST axis.
 
     logits (..., V), targets (...) integer. Label smoothing eps: q = (1 - eps) onehot + eps / V

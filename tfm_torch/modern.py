@@ -11,7 +11,7 @@ from tfm_common.validate import check_real, check_size, check_sizes
 
 from .attention import attention_weights, check_attention, check_attention_call, flash_heads
 from .layers import Dropout, Linear
-from .module import as_generator, check_dtype, check_input
+from .module import Module, as_generator, check_dtype, check_input
 
 __all__ = [
     "RMSNorm",
@@ -26,7 +26,7 @@ __all__ = [
 ]
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(Module):
     """x / sqrt(mean(x^2) + eps) * weight over the last dimension (twin of tfm_numpy's; the tests compare it with
     torch.nn.RMSNorm). Written out to mirror tfm_numpy."""
 
@@ -64,7 +64,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).flatten(-2)  # pairs back in place
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(Module):
     """Rotary position embedding, twin of tfm_numpy's: forward(x (..., T, d_head), offset=0) rotates positions
     offset .. offset + T - 1; `rotate(x, offset, inverse)`. The tables are non-persistent buffers (no state_dict)."""
 
@@ -97,7 +97,7 @@ def swiglu_hidden_size(d_ff: int) -> int:
     return max(1, round(2 * check_size("swiglu_hidden_size", "d_ff", d_ff) / 3))
 
 
-class SwiGLUFeedForward(nn.Module):
+class SwiGLUFeedForward(Module):
     """down(silu(gate(x)) * up(x)), three bias-free matrices (twin of tfm_numpy's)."""
 
     def __init__(self, d_model: int, d_ff: int, dropout: float = 0.0, *, rng=None, dtype=None):
@@ -133,7 +133,7 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
 
 
-class GroupedQueryAttention(nn.Module):
+class GroupedQueryAttention(Module):
     """Grouped-query self-attention, twin of tfm_numpy's: forward(x, mask, offset=0) -> (B, T, d); forward_step
     with a cache of n_kv_heads heads; `rotary` rotates queries and keys. attention="flash" (tiled, as tfm_numpy's)
     or "sdpa" (this track only: F.scaled_dot_product_attention with enable_gqa, the key/value heads not repeated;

@@ -1,13 +1,15 @@
 """Helpers shared by the torch track: explicit generators and input checks.
 
-The torch twin of `tfm_numpy.module`: modules here are plain `torch.nn.Module`s, so the
-contract (named_parameters, state_dict, train/eval, zero_grad) is torch's own.
+The torch twin of `tfm_numpy.module`: modules here derive from `Module` below, a `torch.nn.Module` whose
+`load_state_dict` is all or nothing; the rest of the contract (named_parameters, state_dict, train/eval,
+zero_grad) is torch's own.
 """
 
 from __future__ import annotations
 
 import numbers
 
+import numpy as np
 import torch
 
 from tfm_common.validate import check_seed
@@ -83,3 +85,23 @@ def check_probability(name: str, arg: str, p, allow_one: bool) -> float:
     if not ok:
         raise ValueError(f"{name}: {arg} must be in [0, {'1]' if allow_one else '1)'}, got {p}")
     return float(p)
+
+
+class Module(torch.nn.Module):
+    """torch.nn.Module whose `load_state_dict` is all or nothing, as tfm_numpy's: keys (strict) and shapes are
+    checked before any parameter changes (torch's own copies every matching entry first, then raises), with the
+    same errors as tfm_numpy (KeyError for keys, ValueError for a shape), and NumPy arrays are taken as tensors
+    (tfm_numpy takes tensors), so one state_dict loads into either track. Every module of this track derives from
+    it; torch calls the override of the module it loads into, and walks the children itself."""
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        own = self.state_dict(keep_vars=True)
+        missing, unexpected = sorted(set(own) - set(state_dict)), sorted(set(state_dict) - set(own))
+        if strict and (missing or unexpected):
+            raise KeyError(f"load_state_dict: missing keys {missing}, unexpected keys {unexpected}")
+        state = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in state_dict.items()}
+        for name, value in state.items():  # every shape before anything is copied
+            if name in own and tuple(getattr(value, "shape", ())) != tuple(own[name].shape):
+                got = tuple(value.shape) if hasattr(value, "shape") else type(value).__name__
+                raise ValueError(f"load_state_dict: '{name}' expected shape {tuple(own[name].shape)}, got {got}")
+        return super().load_state_dict(state, strict=strict, assign=assign)

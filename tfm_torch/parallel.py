@@ -23,6 +23,7 @@ from tfm_common.training import StepResult, check_finite_step
 from tfm_common.validate import check_choice, check_flag, check_real, check_size
 
 from .loss import CrossEntropyLoss
+from .module import Module
 from .optim import clip_grad_norm, set_lr
 
 __all__ = [
@@ -109,7 +110,7 @@ def _rng_contexts(gens: list[torch.Generator]):
     return forward_ctx(), recompute_ctx()
 
 
-class Recompute(nn.Module):
+class Recompute(Module):
     """`Recompute(layer)` behaves as `layer` (same parameters, same state_dict keys, its attributes readable) but
     keeps no activations between forward and backward: `torch.utils.checkpoint` recomputes them in backward."""
 

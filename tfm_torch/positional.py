@@ -8,7 +8,7 @@ from torch import nn
 from tfm_common.validate import check_sizes
 
 from .layers import Dropout
-from .module import as_generator, check_dtype, check_input
+from .module import Module, as_generator, check_dtype, check_input
 
 __all__ = ["sinusoidal_positional_encoding", "PositionalEncoding", "LearnedPositionalEmbedding"]
 
@@ -37,7 +37,7 @@ def _check_length(name: str, T: int, offset: int, max_len: int) -> None:
         raise ValueError(f"{name}: sequence length {T}{start} exceeds max_len {max_len}")
 
 
-class PositionalEncoding(nn.Module):
+class PositionalEncoding(Module):
     """x + PE[offset : offset + T], then dropout. The table is a non-persistent buffer: no state_dict key."""
 
     def __init__(self, d_model: int, max_len: int = 5000, dropout: float = 0.0, *, rng=None, dtype=None):
@@ -57,7 +57,7 @@ class PositionalEncoding(nn.Module):
         return f"d_model={self.d_model}, max_len={self.max_len}"
 
 
-class LearnedPositionalEmbedding(nn.Module):
+class LearnedPositionalEmbedding(Module):
     """x + W[offset : offset + T] with a trained table `weight` (max_len, d_model), initialized N(0, 1)."""
 
     def __init__(self, max_len: int, d_model: int, *, rng=None, dtype=None):

@@ -4,12 +4,11 @@ tfm_numpy.sublayers."""
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from tfm_common.validate import check_flag, check_sizes
 
 from .layers import GELU, Dropout, Linear, ReLU
-from .module import as_generator, check_dtype
+from .module import Module, as_generator, check_dtype
 
 __all__ = ["ACTIVATIONS", "PositionwiseFeedForward"]
 
@@ -23,7 +22,7 @@ def check_activation(owner: str, name) -> str:
     return name
 
 
-class PositionwiseFeedForward(nn.Module):
+class PositionwiseFeedForward(Module):
     """FFN(x) = linear2(dropout(activation(linear1(x)))): d_model -> d_ff -> d_model at every position alone."""
 
     def __init__(

@@ -13,7 +13,7 @@ from tfm_common.validate import check_size
 
 from .encoder_decoder import _Counted
 from .layers import Dropout, LayerNorm, Linear
-from .module import as_generator, check_dtype, check_input
+from .module import Module, as_generator, check_dtype, check_input
 from .sublayers import PositionwiseFeedForward
 from .vit import PatchEmbedding
 
@@ -83,7 +83,7 @@ def relative_position_index(window_size: int) -> torch.Tensor:
     return (dy + M - 1) * (2 * M - 1) + (dx + M - 1)
 
 
-class WindowAttention(nn.Module):
+class WindowAttention(Module):
     """Multi-head self-attention inside each window with a relative position bias (twin of tfm_numpy's)."""
 
     def __init__(self, d_model: int, n_heads: int, window_size: int, dropout: float = 0.0, *, rng=None, dtype=None):
@@ -146,7 +146,7 @@ def _window_mask(mask, n_windows_total: int, N: int):
     return mask.repeat(n_windows_total // mask.shape[0], 1, 1)[:, None]  # (B nW, 1, N, N)
 
 
-class SwinBlock(nn.Module):
+class SwinBlock(Module):
     """One Pre-LN Swin block on an (H, W) grid of tokens (B, H W, d), regular (shift 0) or shifted windows."""
 
     def __init__(self, d_model: int, n_heads: int, d_ff: int, resolution: tuple[int, int], window_size: int,
@@ -184,7 +184,7 @@ class SwinBlock(nn.Module):
         return f"resolution={self.resolution}, window_size={self.window_size}, shift={self.shift}"
 
 
-class PatchMerging(nn.Module):
+class PatchMerging(Module):
     """(B, H W, d) -> (B, H/2 W/2, 2d): 2x2 groups concatenated, LayerNorm(4d), Linear(4d, 2d, bias=False)."""
 
     def __init__(self, resolution: tuple[int, int], d_model: int, *, rng=None, dtype=None):

@@ -10,7 +10,7 @@ from tfm_common.images import check_vit_config
 
 from .encoder_decoder import Encoder, _Counted
 from .layers import Dropout, Linear
-from .module import as_generator, check_dtype, check_input
+from .module import Module, as_generator, check_dtype, check_input
 from .positional import LearnedPositionalEmbedding
 
 __all__ = ["PatchEmbedding", "ViT", "patchify", "unpatchify"]
@@ -38,7 +38,7 @@ def _check_images(owner: str, images, channels: int, size: int, dtype) -> None:
         raise ValueError(f"{owner}: images expected shape (B, {channels}, {size}, {size}), got {tuple(images.shape)}")
 
 
-class PatchEmbedding(nn.Module):
+class PatchEmbedding(Module):
     """Non-overlapping p x p patches, each mapped to d_model by one Linear `proj`: (B, C, H, W) -> (B, N, d)."""
 
     def __init__(self, image_size: int, patch_size: int, in_channels: int, d_model: int, *, rng=None, dtype=None):
