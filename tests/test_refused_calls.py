@@ -10,6 +10,7 @@ from helpers_tracks import to_numpy
 
 import tfm_numpy as tn
 import tfm_torch as tt
+from tfm_common.data import make_batches
 
 D, H, T = 8, 2, 4
 RNG = np.random.default_rng(0)
@@ -127,3 +128,45 @@ def test_a_refused_load_state_dict_changes_nothing(track):
         assert all(np.array_equal(to_numpy(v), before[k]) for k, v in model.state_dict().items())
     model.load_state_dict(new)
     assert all(np.array_equal(to_numpy(v), new[k]) for k, v in model.state_dict().items())
+
+
+GPT_SIZES = dict(vocab_size=11, d_model=D, n_heads=H, d_ff=16, n_layers=1, max_len=8)
+WINDOWS = np.array([[1, 2, 3, 4], [5, 6, 7, 8]])
+
+
+@pytest.mark.parametrize("track", TRACKS)
+def test_lm_train_step_refuses_a_non_finite_step_and_changes_nothing(track):
+    """As train_step: a NaN loss or gradient raises before clipping, the lr, Adam's moments or its step count."""
+    lib, A, dt = lib_of(track)
+    model = lib.GPT(**GPT_SIZES, rng=0, dtype=dt)
+    opt, loss_fn = lib.make_adam(model, lr=1e-2), lib.CrossEntropyLoss()
+    lib.lm_train_step(model, A(WINDOWS[:, :-1]), A(WINDOWS[:, 1:]), opt, loss_fn, 1e-2)
+    with torch.no_grad():
+        weight = model.embed.weight
+        (weight.data if track == "numpy" else weight)[3, 0] = np.inf  # token 3's embedding: the loss is NaN
+    before = {k: to_numpy(v).copy() for k, v in model.state_dict().items()}
+    steps = opt.step_count if track == "numpy" else opt.state[weight]["step"].item()
+    with np.errstate(all="ignore"), pytest.raises(FloatingPointError, match="not finite, so the update was not"):
+        lib.lm_train_step(model, A(WINDOWS[:, :-1]), A(WINDOWS[:, 1:]), opt, loss_fn, 1e-2)  # inf - inf: NaN
+    after = {k: to_numpy(v) for k, v in model.state_dict().items()}
+    assert all(np.array_equal(after[k], v) for k, v in before.items())  # inf stays inf, nothing became NaN
+    assert steps == (opt.step_count if track == "numpy" else opt.state[weight]["step"].item())
+
+
+@pytest.mark.parametrize("track", TRACKS)
+def test_an_optimizer_made_for_another_model_is_refused(track):
+    """The notebook mistake: the model cell run again, the optimizer cell not. The old optimizer would step the old
+    model's parameters and this one would never move; the step functions say so instead."""
+    lib, A, dt = lib_of(track)
+    old = lib.GPT(**GPT_SIZES, rng=0, dtype=dt)
+    opt = lib.make_adam(old)
+    model = lib.GPT(**GPT_SIZES, rng=0, dtype=dt)  # rebuilt
+    with pytest.raises(ValueError, match=r"lm_train_step: \d+ of the optimizer's \d+ parameters are not this model's"):
+        lib.lm_train_step(model, A(WINDOWS[:, :-1]), A(WINDOWS[:, 1:]), opt, lib.CrossEntropyLoss(), 1e-2)
+    tr = lib.Transformer(9, 9, d_model=D, n_heads=H, d_ff=16, n_layers=1, max_len=8, rng=0, dtype=dt)
+    batch = make_batches([([3, 4, 5], [6, 7])], 1, shuffle=False)[0]
+    for step in (lib.train_step, lib.train_step_accumulated):
+        arg = batch if step is lib.train_step else [batch]
+        with pytest.raises(ValueError, match="parameters are not this model's"):
+            step(tr, arg, lib.make_adam(lib.Transformer(9, 9, d_model=D, n_heads=H, d_ff=16, n_layers=1, max_len=8,
+                                                        rng=0, dtype=dt)), lib.CrossEntropyLoss(), 1e-2)  # fmt: skip

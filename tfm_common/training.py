@@ -23,7 +23,15 @@ import numpy as np
 
 from .data import PAD_ID, Batch, Vocab
 
-__all__ = ["check_finite_step", "History", "StepResult", "Evaluation", "batch_stream", "evaluate_pairs"]
+__all__ = [
+    "check_finite_step",
+    "check_optimizer_of",
+    "History",
+    "StepResult",
+    "Evaluation",
+    "batch_stream",
+    "evaluate_pairs",
+]
 
 
 def check_finite_step(loss: float, grad_norm: float) -> None:
@@ -34,6 +42,19 @@ def check_finite_step(loss: float, grad_norm: float) -> None:
             f"train_step: the loss is {loss} and the gradient norm {grad_norm}: not finite, so the update was not "
             "applied (weights, optimizer state and step count unchanged); lower the lr, clip gradients or check "
             "the batch"
+        )
+
+
+def check_optimizer_of(name: str, model_params, optimizer_params) -> None:
+    """Before a step: every parameter the optimizer updates must be one of the model's. An optimizer made for
+    another model, or before the model was rebuilt (a notebook cell run again), would step those parameters with
+    this model's gradients never applied: the loss would not move, and nothing would say why."""
+    own, params = {id(p) for p in model_params}, list(optimizer_params)
+    stray = sum(id(p) not in own for p in params)
+    if stray:
+        raise ValueError(
+            f"{name}: {stray} of the optimizer's {len(params)} parameters are not this model's: was the optimizer "
+            "made for another model, or before the model was rebuilt? Make it after the model (make_adam(model))"
         )
 
 

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from tfm_common.gpt_config import as_numpy_rng, check_gpt_config, check_sampling, sample_next
-from tfm_common.training import StepResult
+from tfm_common.training import StepResult, check_finite_step, check_optimizer_of
 from tfm_common.validate import check_size
 
 from .attention import causal_mask, check_attention, use_attention
@@ -276,10 +276,14 @@ def lm_train_step(model: GPT, x, y, optimizer: Adam, loss_fn: CrossEntropyLoss, 
     """One update on a batch of windows x (B, T) and their next tokens y (B, T): the causal LM loss, mean over all
     B T positions, -1/(BT) sum log p(y[b, t] | x[b, :t + 1]). Returns (loss before the update, gradient norm
     before clipping), as `train_step` does for the encoder-decoder."""
+    check_optimizer_of("lm_train_step", model.parameters(), optimizer.params)
     model.zero_grad()
     loss = loss_fn(model(x), y)
     model.backward(loss_fn.backward())  # dL/dlogits (B, T, V) -> every parameter's .grad
-    norm = grad_norm(optimizer.params) if clip_norm is None else clip_grad_norm(optimizer.params, clip_norm)
+    norm = grad_norm(optimizer.params)
+    check_finite_step(float(loss), norm)  # before anything changes, as train_step: a NaN step is refused
+    if clip_norm is not None:
+        norm = clip_grad_norm(optimizer.params, clip_norm)
     set_lr(optimizer, lr)
     optimizer.step()
     return StepResult(float(loss), norm)

@@ -25,7 +25,7 @@ import numpy as np
 
 from tfm_common.data import Batch
 from tfm_common.parallel import check_micro_batches, micro_weights, run_processes, split_batch
-from tfm_common.training import StepResult, check_finite_step
+from tfm_common.training import StepResult, check_finite_step, check_optimizer_of
 from tfm_common.validate import check_choice, check_flag, check_real, check_size
 
 from .loss import CrossEntropyLoss
@@ -66,6 +66,7 @@ def train_step_accumulated(
     name = "train_step_accumulated"
     micro_batches = check_micro_batches(name, micro_batches)
     weights = micro_weights(micro_batches, normalize)
+    check_optimizer_of(name, model.parameters(), optimizer.params)
     model.zero_grad()
     loss = 0.0
     for batch, w in zip(micro_batches, weights, strict=True):
@@ -452,6 +453,7 @@ def train_step_mixed(
         raise TypeError(f"train_step_mixed: model expected float32 master weights, got {model.param_dtype}")
     check_choice("train_step_mixed", "half", half, HALF)
     params = optimizer.params
+    check_optimizer_of("train_step_mixed", model.parameters(), params)
     scale = 1.0 if scaler is None else scaler.scale
     master = [p.data for p in params]
     model.zero_grad()

@@ -29,6 +29,7 @@ from tfm_common.training import (
     check_finite_step,
     check_int,
     check_loop_args,
+    check_optimizer_of,
     cooldown_scale,
     evaluate_pairs,
     import_tqdm,
@@ -60,6 +61,7 @@ def train_step(
     before clipping). The model should be in training mode (dropout on), as `train` sets it."""
     if not isinstance(batch, Batch):
         raise TypeError(f"train_step: batch expected a tfm_common.data.Batch, got {type(batch).__name__}")
+    check_optimizer_of("train_step", model.parameters(), optimizer.params)
     model.zero_grad()
     logits = model(batch.src, batch.tgt_in)  # (B, T, V)
     loss = loss_fn(logits, batch.tgt_out)  # mean over the batch's non-pad target tokens

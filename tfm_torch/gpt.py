@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from tfm_common.gpt_config import as_numpy_rng, check_gpt_config, check_sampling, sample_next
-from tfm_common.training import StepResult
+from tfm_common.training import StepResult, check_finite_step, check_optimizer_of
 from tfm_common.validate import check_size
 
 from .attention import causal_mask, check_attention, use_attention
@@ -213,13 +213,17 @@ def _eval_mode(model):
 def lm_train_step(model: GPT, x, y, optimizer: torch.optim.Optimizer, loss_fn, lr: float, clip_norm=None):
     """One update on windows x (B, T) and next tokens y (B, T) (NumPy arrays or tensors), as tfm_numpy's.
     Returns (loss before the update, gradient norm before clipping)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    check_optimizer_of("lm_train_step", model.parameters(), params)
     device = next(model.parameters()).device
     x, y = (torch.as_tensor(a).to(device) for a in (x, y))
     model.zero_grad(set_to_none=True)
     loss = loss_fn(model(x), y)
     loss.backward()
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    norm = grad_norm(params) if clip_norm is None else clip_grad_norm(params, clip_norm)
+    norm = grad_norm(params)
+    check_finite_step(loss.item(), norm)  # before anything changes, as train_step: a NaN step is refused
+    if clip_norm is not None:
+        norm = clip_grad_norm(params, clip_norm)
     set_lr(optimizer, lr)
     optimizer.step()
     return StepResult(loss.item(), norm)

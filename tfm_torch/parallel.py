@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from tfm_common.data import Batch, make_batches
 from tfm_common.parallel import check_micro_batches, micro_weights, run_processes, split_batch
-from tfm_common.training import StepResult, check_finite_step
+from tfm_common.training import StepResult, check_finite_step, check_optimizer_of
 from tfm_common.validate import check_choice, check_flag, check_real, check_size
 
 from .loss import CrossEntropyLoss
@@ -58,6 +58,7 @@ def train_step_accumulated(
 
     micro_batches = check_micro_batches("train_step_accumulated", micro_batches)
     weights = micro_weights(micro_batches, normalize)
+    check_optimizer_of("train_step_accumulated", model.parameters(), _params(optimizer))
     device = next(model.parameters()).device
     model.zero_grad(set_to_none=True)
     loss = 0.0
@@ -360,6 +361,7 @@ def train_step_mixed(
     if params[0].dtype != torch.float32:
         raise TypeError(f"train_step_mixed: model expected float32 master weights, got {params[0].dtype}")
     check_choice("train_step_mixed", "half", half, HALF)
+    check_optimizer_of("train_step_mixed", model.parameters(), params)
     scale = 1.0 if scaler is None else scaler.scale
     device = params[0].device
     src, tgt_in, tgt_out = (torch.from_numpy(a).to(device) for a in (batch.src, batch.tgt_in, batch.tgt_out))

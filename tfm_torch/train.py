@@ -32,6 +32,7 @@ from tfm_common.training import (
     check_finite_step,
     check_int,
     check_loop_args,
+    check_optimizer_of,
     cooldown_scale,
     evaluate_pairs,
     import_tqdm,
@@ -80,6 +81,7 @@ def train_step(
     before clipping). The model should be in training mode (dropout on), as `train` sets it."""
     if not isinstance(batch, Batch):
         raise TypeError(f"train_step: batch expected a tfm_common.data.Batch, got {type(batch).__name__}")
+    check_optimizer_of("train_step", model.parameters(), _params(optimizer))
     device = next(model.parameters()).device
     src, tgt_in, tgt_out = (torch.from_numpy(a).to(device) for a in (batch.src, batch.tgt_in, batch.tgt_out))
     model.zero_grad(set_to_none=True)
