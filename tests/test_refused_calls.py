@@ -170,3 +170,30 @@ def test_an_optimizer_made_for_another_model_is_refused(track):
         with pytest.raises(ValueError, match="parameters are not this model's"):
             step(tr, arg, lib.make_adam(lib.Transformer(9, 9, d_model=D, n_heads=H, d_ff=16, n_layers=1, max_len=8,
                                                         rng=0, dtype=dt)), lib.CrossEntropyLoss(), 1e-2)  # fmt: skip
+
+
+@pytest.mark.parametrize("search", ["sequence_scores", "greedy_uncached", "beam_uncached"])
+def test_numpy_backward_after_a_search_is_refused_not_wrong(search):
+    """A search's forwards (eval mode) overwrite the caches of the training forward before it: a backward after it
+    would differentiate the search's last forward. It is refused instead, as after GPT.generate."""
+    model = tn.Transformer(9, 9, d_model=D, n_heads=H, d_ff=16, n_layers=1, dropout=0.3, max_len=8, rng=0)
+    src, tgt = np.array([[3, 4, 5], [6, 7, 8]]), np.array([[1, 4, 5], [1, 6, 2]])
+    logits = model(src, tgt)
+    run = {"sequence_scores": lambda: tn.sequence_scores(model, src, tgt[:, 1:], 1, 2),
+           "greedy_uncached": lambda: tn.greedy_decode(model, src, 1, 2, 4, use_cache=False),
+           "beam_uncached": lambda: tn.beam_search(model, src, 1, 2, 4, beam_size=2, use_cache=False)}  # fmt: skip
+    run[search]()
+    assert model.training  # the caller's mode is back
+    with pytest.raises(RuntimeError, match="before forward"):
+        model.backward(np.ones_like(logits))
+
+
+def test_bpe_decode_refuses_a_batch_with_a_clear_message():
+    from tfm_common.bpe import ByteBPE
+
+    bpe = ByteBPE.train("abab abab", 260)
+    ids = bpe.encode("abab")
+    assert bpe.decode(np.array(ids)) == bpe.decode(torch.tensor(ids)) == "abab"
+    for batch in (np.array([ids]), torch.tensor([ids])):  # what generate() returns: (B, T)
+        with pytest.raises(ValueError, match=r"expected one sequence \(1-D\), got shape \(1, \d+\); decode each row"):
+            bpe.decode(batch)

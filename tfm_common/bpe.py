@@ -220,6 +220,9 @@ class ByteBPE:
         """The exact bytes of a sequence of token ids (a list, tuple or 1-D integer array)."""
         if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
             raise TypeError(f"ByteBPE.decode: ids expected a sequence of ints, got {type(ids).__name__}")
+        shape = tuple(getattr(ids, "shape", ()))
+        if len(shape) > 1:  # e.g. generate()'s (B, T): one row at a time
+            raise ValueError(f"ByteBPE.decode: ids expected one sequence (1-D), got shape {shape}; decode each row")
         ids = list(ids)
         for i in ids:
             self._check_id(i)

@@ -497,13 +497,16 @@ def _append_one(cache: dict, name: str, new: np.ndarray, axis: int, t0: int) -> 
 
 @contextmanager
 def _eval_mode(model):
-    """Dropout off for the duration (decoding is deterministic), the caller's mode restored after."""
+    """Dropout off for the duration (decoding is deterministic), the caller's mode restored after. The searches'
+    forwards overwrite the modules' caches, so the model's own is cleared after: a backward after a search is an
+    error ("before forward"), not the gradient of the search's last eval forward (as after GPT.generate)."""
     was_training = model.training
     model.eval()
     try:
         yield model
     finally:
         model.train(was_training)
+        model._cache = None
 
 
 def _check_int(name: str, arg: str, value, low: int = 1) -> int:
