@@ -63,53 +63,73 @@ def check_dtype(dtype) -> np.dtype:
     return dt
 
 
-# -- what a forward keeps, and what a backward may use once ---------------------------------------------------------
+# -- the door: what a forward keeps, what a call from outside is checked for ---------------------------------------
 #
-# A forward caches references to the arrays backward needs. If the caller changed one of *its* arrays in place
-# between forward and backward, the gradient would be silently wrong (torch refuses, with its version counters).
-# NumPy has no version counter, so the outermost call copies the caller's arrays once, at the library's boundary:
-# arrays made inside the library (every activation of a model) are never copied, only what the caller handed in
-# (a Transformer's token ids; a lone layer's input). `_copy_at_boundary` below does it for the methods named in
-# `_ENTRY_POINTS` of every Module subclass.
+# A model calls its layers, and they call theirs: only the outermost call comes from a caller outside the library.
+# That call is the door, and two things happen there, once, for every Module subclass without code of its own:
+# - the arrays the caller hands in are copied (a forward caches references to what backward needs; NumPy has no
+#   version counter, so a caller changing its array in place between forward and backward would silently corrupt
+#   the gradients: torch refuses that, we copy); arrays made inside the library are never copied;
+# - the module's `_check_<method>` (say `_check_forward`), if it has one, checks the arguments; inner calls trust
+#   their caller, so a printed `forward` holds the chapter's math and not its guard rails. After a forward, the
+#   door of `backward` checks grad_out against the output's shape and dtype (`_check_backward` below).
+# `_ENTRY_POINTS` are the wrapped forwards, `_BACKWARDS` the backwards and the forward whose output they take.
 _ENTRY_POINTS = ("forward", "encode", "decode", "decode_step", "forward_step")
-_BACKWARDS = ("backward", "decode_backward", "encode_backward")
+_BACKWARDS = {"backward": "forward", "decode_backward": "decode", "encode_backward": "encode"}
 _CALLS = threading.local()  # .depth: how many entry points are running (0: the next call comes from the caller)
 
 
-def _copy_at_boundary(method, kept: tuple[str, ...] | None):
-    names = list(inspect.signature(method).parameters)[1:]  # without self
+def _depth() -> int:
+    return getattr(_CALLS, "depth", 0)
 
-    def copied(name: str, value):
-        keep = kept is None or name in kept
+
+def _at_the_door(method, kept: tuple[str, ...] | None):
+    name, names = method.__name__, list(inspect.signature(method).parameters)[1:]  # without self
+
+    def copied(arg: str, value):
+        keep = kept is None or arg in kept
         return np.array(value, copy=True) if keep and isinstance(value, np.ndarray) else value
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
-        depth = getattr(_CALLS, "depth", 0)
+        depth = _depth()
         if depth == 0:
             args = tuple(copied(names[i] if i < len(names) else "", a) for i, a in enumerate(args))
             kwargs = {k: copied(k, v) for k, v in kwargs.items()}
+            check = getattr(self, f"_check_{name}", None)
+            if check is not None:
+                check(*args, **kwargs)
         _CALLS.depth = depth + 1
         try:
-            return method(self, *args, **kwargs)
+            out = method(self, *args, **kwargs)
         finally:
             _CALLS.depth = depth
+        if isinstance(out, np.ndarray):  # what the matching backward's grad_out must look like
+            self.__dict__.setdefault("_outputs", {})[name] = (out.shape, out.dtype)
+        return out
 
     wrapper._at_boundary = True
     return wrapper
 
 
-def _restore_on_error(method):
-    """A backward that fails (a wrong grad_out, say) leaves its module's cache usable for a corrected call."""
+def _backward_at_the_door(method):
+    """A backward checked at the door (after a forward whose cache it may use); one that fails leaves its module's
+    cache usable for a corrected call."""
+    name = method.__name__
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
-        used = self.__dict__.get("_cache_used", False)
+        used, depth = self.__dict__.get("_cache_used", False), _depth()
         try:
+            if depth == 0 and self._cache is not None and not (used and self._has_parameters()):
+                getattr(self, f"_check_{name}")(*args, **kwargs)
+            _CALLS.depth = depth + 1
             return method(self, *args, **kwargs)
         except BaseException:
             object.__setattr__(self, "_cache_used", used)
             raise
+        finally:
+            _CALLS.depth = depth
 
     wrapper._at_boundary = True
     return wrapper
@@ -118,10 +138,13 @@ def _restore_on_error(method):
 class Module:
     """Base class of every NumPy layer: registers parameters and submodules on assignment.
 
-    Two guarantees hold for every subclass, without code of its own:
+    Three guarantees hold for every subclass, without code of its own:
     - the arrays a caller passes to `forward` (and `encode`, `decode`, ...) are copied once at the outermost call
       (`_kept_inputs` names the arguments a forward keeps for backward; None: all array arguments), so changing
       them in place afterwards cannot corrupt the gradients;
+    - that outermost call (the door) runs the module's `_check_forward` (`_check_decode`, ...) where it has one,
+      and `backward`'s door checks grad_out against the forward's output: a call from outside is checked once,
+      and the calls a model makes to its own layers are not checked again;
     - `backward` of a module with parameters uses a forward's cache once: a second backward without a new forward
       raises RuntimeError instead of adding the same gradients into `.grad` again (torch refuses a second backward
       through freed buffers the same way). A module without parameters (an activation, dropout, the loss) only
@@ -132,10 +155,10 @@ class Module:
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
-        for name in _ENTRY_POINTS + _BACKWARDS:
+        for name in _ENTRY_POINTS + tuple(_BACKWARDS):
             method = cls.__dict__.get(name)
             if callable(method) and not getattr(method, "_at_boundary", False):
-                wrap = _restore_on_error(method) if name in _BACKWARDS else _copy_at_boundary(method, cls._kept_inputs)
+                wrap = _backward_at_the_door(method) if name in _BACKWARDS else _at_the_door(method, cls._kept_inputs)
                 setattr(cls, name, wrap)
 
     def __init__(self) -> None:
@@ -167,6 +190,22 @@ class Module:
 
     def __call__(self, *args, **kwargs):
         return self.forward(*args, **kwargs)
+
+    def _check_backward(self, grad_out=None, *args, **kwargs) -> None:
+        """At the door of `backward`: grad_out shaped and typed like the last forward's output (when it was one
+        array). A module whose backward takes something else overrides this."""
+        self._check_grad_out("forward", "backward", grad_out)
+
+    def _check_decode_backward(self, grad_out=None, *args, **kwargs) -> None:
+        self._check_grad_out("decode", "decode_backward", grad_out)
+
+    def _check_encode_backward(self, grad_out=None, *args, **kwargs) -> None:
+        self._check_grad_out("encode", "encode_backward", grad_out)
+
+    def _check_grad_out(self, entry: str, name: str, grad_out) -> None:
+        spec = self.__dict__.get("_outputs", {}).get(entry)
+        if spec is not None:
+            check_grad(f"{type(self).__name__}", grad_out, *spec, method=name)
 
     def _saved(self):
         """What `forward` cached, for one backward; a clear error when `backward` comes first or comes twice."""
@@ -315,18 +354,15 @@ def check_input(name: str, x, ndim_min: int = 1, last_dim: int | None = None, dt
     return x
 
 
-def check_grad(name: str, grad_out, shape: tuple[int, ...], dtype) -> np.ndarray:
+def check_grad(name: str, grad_out, shape: tuple[int, ...], dtype, method: str = "backward") -> np.ndarray:
     """Validate the gradient handed to `backward`: an array shaped and typed like the forward's output."""
+    where = f"{name}.{method}"
     if not isinstance(grad_out, np.ndarray):
-        raise TypeError(f"{name}.backward: grad_out expected a numpy.ndarray, got {type(grad_out).__name__}")
+        raise TypeError(f"{where}: grad_out expected a numpy.ndarray, got {type(grad_out).__name__}")
     if grad_out.shape != tuple(shape):
-        raise ValueError(
-            f"{name}.backward: grad_out expected shape {tuple(shape)} (the output's), got {grad_out.shape}"
-        )
+        raise ValueError(f"{where}: grad_out expected shape {tuple(shape)} (the output's), got {grad_out.shape}")
     if grad_out.dtype != dtype:
-        raise TypeError(
-            f"{name}.backward: grad_out expected dtype {np.dtype(dtype)} (the output's), got {grad_out.dtype}"
-        )
+        raise TypeError(f"{where}: grad_out expected dtype {np.dtype(dtype)} (the output's), got {grad_out.dtype}")
     return grad_out
 
 

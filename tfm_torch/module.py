@@ -7,7 +7,9 @@ zero_grad) is torch's own.
 
 from __future__ import annotations
 
+import functools
 import numbers
+import threading
 
 import numpy as np
 import torch
@@ -87,12 +89,56 @@ def check_probability(name: str, arg: str, p, allow_one: bool) -> float:
     return float(p)
 
 
+# -- the door: a call from outside the library is checked once --------------------------------------------------------
+#
+# As in tfm_numpy: a model calls its layers, and only the outermost call comes from outside. There the module's
+# `_check_<method>` (say `_check_forward`), where it has one, checks the arguments; the calls a model makes to its own
+# layers trust their caller, so a printed `forward` holds the chapter's math, not its guard rails. Under
+# torch.compile the checks are traced at every level (dynamo inlines the body; the shape checks become guards).
+_ENTRY_POINTS = ("forward", "encode", "decode", "decode_step", "forward_step")
+_CALLS = threading.local()  # .depth: how many entry points are running (0: the next call comes from the caller)
+
+
+def _at_the_door(method):
+    name = method.__name__
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        check = getattr(self, f"_check_{name}", None)
+        if torch.compiler.is_compiling():
+            if check is not None:
+                check(*args, **kwargs)
+            return method(self, *args, **kwargs)
+        depth = getattr(_CALLS, "depth", 0)
+        if depth == 0 and check is not None:
+            check(*args, **kwargs)
+        _CALLS.depth = depth + 1
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            _CALLS.depth = depth
+
+    wrapper._at_boundary = True
+    return wrapper
+
+
 class Module(torch.nn.Module):
     """torch.nn.Module whose `load_state_dict` is all or nothing, as tfm_numpy's: keys (strict) and shapes are
     checked before any parameter changes (torch's own copies every matching entry first, then raises), with the
     same errors as tfm_numpy (KeyError for keys, ValueError for a shape), and NumPy arrays are taken as tensors
     (tfm_numpy takes tensors), so one state_dict loads into either track. Every module of this track derives from
-    it; torch calls the override of the module it loads into, and walks the children itself."""
+    it; torch calls the override of the module it loads into, and walks the children itself.
+
+    Its forwards (and `encode`, `decode`, ...) are checked at the door, as tfm_numpy's: the outermost call runs the
+    module's `_check_forward` (`_check_decode`, ...) where it has one; the calls a model makes to its layers do not.
+    """
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        for name in _ENTRY_POINTS:
+            method = cls.__dict__.get(name)
+            if callable(method) and not getattr(method, "_at_boundary", False):
+                setattr(cls, name, _at_the_door(method))
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         own = self.state_dict(keep_vars=True)
