@@ -218,6 +218,11 @@ class ByteBPE:
 
     def decode_bytes(self, ids) -> bytes:
         """The exact bytes of a sequence of token ids (a list, tuple or 1-D integer array)."""
+        ids = self._check_sequence(ids)
+        return b"".join(self._vocab[i] for i in ids)
+
+    def _check_sequence(self, ids) -> list:
+        """One sequence of known ids, as a list."""
         if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
             raise TypeError(f"ByteBPE.decode: ids expected a sequence of ints, got {type(ids).__name__}")
         shape = tuple(getattr(ids, "shape", ()))
@@ -226,7 +231,7 @@ class ByteBPE:
         ids = list(ids)
         for i in ids:
             self._check_id(i)
-        return b"".join(self._vocab[i] for i in ids)
+        return ids
 
     def decode(self, ids) -> str:
         """The text of token ids; bytes that are not valid UTF-8 (a character cut in two) become U+FFFD."""

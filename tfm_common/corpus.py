@@ -125,13 +125,17 @@ def stdlib_corpus(split: str = "train", max_bytes: int | None = None, *, strict:
     `max_bytes` keeps only the first bytes (cut at a UTF-8 character boundary), for quick experiments.
     Under Python 3.11.7 a digest that differs from the expected one warns, or raises with `strict=True`.
     """
-    check_choice("stdlib_corpus", "split", split, SPLITS)
-    strict = check_flag("stdlib_corpus", "strict", strict)
-    if max_bytes is not None:
-        max_bytes = check_size("stdlib_corpus", "max_bytes", max_bytes)
+    max_bytes, strict = _check_corpus_args(split, max_bytes, strict)
     files, data = _read(split, stdlib_dir())
     _verify(split, data, strict)
     return Corpus(split, files, data if max_bytes is None else _cut(data, max_bytes))
+
+
+def _check_corpus_args(split, max_bytes, strict) -> tuple[int | None, bool]:
+    """stdlib_corpus's arguments: a known split, a positive byte count or None, a flag."""
+    check_choice("stdlib_corpus", "split", split, SPLITS)
+    strict = check_flag("stdlib_corpus", "strict", strict)
+    return (None if max_bytes is None else check_size("stdlib_corpus", "max_bytes", max_bytes)), strict
 
 
 def _check_ids(owner: str, ids, block_size: int) -> np.ndarray:
