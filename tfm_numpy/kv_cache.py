@@ -1,11 +1,6 @@
-"""The key/value cache of incremental decoding, NumPy track: a dict per attention module whose keys and values grow
-by the new positions at every step (`cache_append`, used by MultiHeadAttention, GroupedQueryAttention and
-`Transformer.decode_step`), and the selection of its rows that a beam search step makes (`reorder_cache`).
-
-The positions live in buffers allocated once with room for every position the decoding will reach, so a step
-writes only its new positions: growing by concatenation copies every earlier one again at every step, quadratic in
-the length (chapter 15b).
-"""
+"""The key/value cache of incremental decoding, NumPy track: keys and values grown in place in buffers allocated
+once (`cache_append`: MultiHeadAttention, GroupedQueryAttention, `Transformer.decode_step`), and the selection of
+their rows that a beam search step makes (`reorder_cache`)."""
 
 from __future__ import annotations
 
