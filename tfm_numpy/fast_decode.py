@@ -52,7 +52,7 @@ def lean_fits(model, tgt: np.ndarray, src_mask: np.ndarray, cache: dict) -> bool
 class LeanStep:
     """The decoder's arithmetic for one new token per row, inference only: `step(token (B,), memory (B, S, d),
     src_mask (B, 1, 1, S), cache)` -> logits (B, V), what `decode_step(token[:, None], ...)[:, -1]` returns, with
-    the cache filled the same way. Built at the first step of a search, for that search (see above).
+    the cache filled the same way. Built at the first step of a search, for that search (see the module docstring).
 
     Inside, the activations are feature-major, x (d, B), a column per row of the batch, and every projection is
     W @ x with W as the Linear stores it, (d_out, d_in): with a handful of rows OpenBLAS is faster at W @ x than at

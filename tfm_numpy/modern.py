@@ -17,7 +17,7 @@ from .attention import attention_weights, attention_weights_backward, check_atte
 from .flash import flash_attention, flash_attention_backward
 from .kv_cache import cache_append
 from .layers import Dropout, Linear
-from .module import Module, Parameter, as_rng, check_dtype, check_grad, check_input
+from .module import Module, Parameter, as_rng, check_dtype, check_input
 
 __all__ = [
     "RMSNorm",
@@ -56,8 +56,10 @@ class RMSNorm(Module):
             raise ValueError(f"RMSNorm: eps must be > 0, got {eps!r}")
         self.weight = Parameter(np.ones(self.d, dtype=check_dtype(dtype)))
 
-    def forward(self, x: np.ndarray) -> np.ndarray:
+    def _check_forward(self, x) -> None:
         check_input("RMSNorm", x, last_dim=self.d, dtype=self.weight.dtype)
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
         rrms = 1 / np.sqrt(np.square(x).mean(axis=-1, keepdims=True) + self.eps)  # (N..., 1)
         xhat = x * rrms  # (N..., d)
         self._cache = (xhat, rrms)
@@ -65,7 +67,6 @@ class RMSNorm(Module):
 
     def backward(self, grad_out: np.ndarray) -> np.ndarray:
         xhat, rrms = self._saved()
-        check_grad("RMSNorm", grad_out, xhat.shape, xhat.dtype)
         self.weight.grad += (grad_out * xhat).reshape(-1, self.d).sum(axis=0)
         dxhat = grad_out * self.weight.data
         dx = dxhat - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True)  # remove the component along xhat
@@ -141,12 +142,11 @@ class RotaryEmbedding(Module):
 
     def forward(self, x: np.ndarray, offset: int = 0) -> np.ndarray:
         y = self.rotate(x, offset)
-        self._cache = (x.shape, offset)
+        self._cache = offset  # the backward rotates back by the same angles
         return y
 
     def backward(self, grad_out: np.ndarray) -> np.ndarray:
-        shape, offset = self._saved()
-        check_grad("RotaryEmbedding", grad_out, shape, self.dtype)
+        offset = self._saved()
         return self.rotate(grad_out, offset, inverse=True)  # y = M x  ->  dx = M^T dy
 
     def extra_repr(self) -> str:

@@ -40,8 +40,10 @@ class RMSNorm(Module):
             raise ValueError(f"RMSNorm: eps must be > 0, got {eps!r}")
         self.weight = nn.Parameter(torch.ones(self.d, dtype=check_dtype(dtype)))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _check_forward(self, x) -> None:
         check_input("RMSNorm", x, last_dim=self.d, dtype=self.weight.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * torch.rsqrt((x * x).mean(dim=-1, keepdim=True) + self.eps) * self.weight
 
     def extra_repr(self) -> str:
