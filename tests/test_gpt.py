@@ -518,7 +518,7 @@ def test_attention_options_refused_as_for_multi_head_attention():
         model = lib.use_attention(lib.GPT(**TINY, dropout=0.1, rng=0), "flash").train()
         with pytest.raises(ValueError, match=r"attention='flash' has no dropout on the attention weights"):
             model(INPUTS if lib is tn else T(INPUTS))
-        assert "attention='flash', block_size=64" in repr(model.layers[0].self_attn)
+        assert "attention='flash', tile_size=64" in repr(model.layers[0].self_attn)
 
 
 @pytest.mark.parametrize("lib", [tn, tt], ids=["numpy", "torch"])
@@ -526,7 +526,7 @@ def test_the_attention_option_at_construction_is_use_attention(lib):
     attention = "flash" if lib is tn else "sdpa"
     built = lib.GPT(**TINY, n_kv_heads=2, attention=attention, block_size=4, rng=0)
     switched = lib.use_attention(lib.GPT(**TINY, n_kv_heads=2, rng=0), attention, block_size=4)
-    modes = {(m.attention, m.block_size) for m in (layer.self_attn for layer in built.layers)}
+    modes = {(m.attention, m.tile_size) for m in (layer.self_attn for layer in built.layers)}
     assert modes == {(attention, 4)} and list(built.state_dict()) == list(switched.state_dict())
     assert "attention" not in built.config  # how the heads are computed, not what the model is
     x = INPUTS if lib is tn else T(INPUTS)

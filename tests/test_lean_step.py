@@ -1,4 +1,4 @@
-"""The lean step of the NumPy searches (tfm_numpy/decoding.py, `_LeanStep`): the logits and the cache of
+"""The lean step of the NumPy searches (tfm_numpy/fast_decode.py, `LeanStep`): the logits and the cache of
 `Transformer.decode_step` at every step, for every model option it covers (float64 to 1e-12, float32 to rounding);
 beam reordering of its cache; the models it leaves to decode_step; bad input refused as before, in both tracks."""
 
@@ -12,6 +12,7 @@ from helpers_tracks import max_abs_diff, to_numpy
 import tfm_numpy as tn
 import tfm_torch as tt
 from tfm_numpy import decoding
+from tfm_numpy.fast_decode import LeanStep
 
 PAD, BOS, EOS = 0, 1, 2
 SRC = np.array([[3, 7, 1, 9, 5], [2, 10, 4, 0, 0], [5, 5, 5, 5, 5]])  # (3, 5), the second row padded
@@ -54,7 +55,7 @@ def lean_and_regular(m, tgt=TGT, src=SRC):
 def test_lean_step_gives_the_logits_and_the_cache_of_decode_step(opts, dtype):
     m = model(dtype, **opts).eval()
     lean, regular, lean_cache, regular_cache = lean_and_regular(m)
-    assert isinstance(lean_cache["lean"], decoding._LeanStep)  # the lean step ran, not decode_step
+    assert isinstance(lean_cache["lean"], LeanStep)  # the lean step ran, not decode_step
     assert lean.dtype == regular.dtype == dtype
     tol = 1e-12 if dtype == np.float64 else 1e-5  # float32: the fused q/k/v matmul may round differently
     assert max_abs_diff(lean, regular) < tol
@@ -83,7 +84,7 @@ def test_beam_reordering_of_the_lean_cache():
         decoding._next_logits(m, TGT[:, : t + 1], memory, src_mask, cache)
     rows = np.array([2, 0, 0, 1])
     cache = tn.reorder_cache(cache, rows)
-    assert isinstance(cache["lean"], decoding._LeanStep)  # carried over as it is
+    assert isinstance(cache["lean"], LeanStep)  # carried over as it is
     prefix = np.concatenate([TGT[rows, :4], [[5], [3], [6], [4]]], axis=1)  # (4, 5)
     step = decoding._next_logits(m, prefix, memory[rows], src_mask[rows], cache)
     full = m.decode(prefix, memory[rows], src_mask[rows])[:, -1]

@@ -8,6 +8,7 @@ from .flash import *  # noqa: F403
 from .functional import *  # noqa: F403
 from .gpt import *  # noqa: F403
 from .gradcheck import *  # noqa: F403
+from .kv_cache import *  # noqa: F403
 from .layers import *  # noqa: F403
 from .loss import *  # noqa: F403
 from .modern import *  # noqa: F403

@@ -13,16 +13,11 @@ import numpy as np
 
 from tfm_common.validate import check_real, check_size, check_sizes
 
-from .attention import (
-    attention_weights,
-    attention_weights_backward,
-    check_attention,
-    check_attention_call,
-    flash_heads,
-)
-from .flash import flash_attention_backward
+from .attention import attention_weights, attention_weights_backward, check_attention, check_attention_call
+from .flash import flash_attention, flash_attention_backward
+from .kv_cache import cache_append
 from .layers import Dropout, Linear
-from .module import Module, Parameter, as_rng, check_dtype, check_grad, check_input
+from .module import Module, Parameter, as_rng, check_dtype, check_input
 
 __all__ = [
     "RMSNorm",
@@ -61,8 +56,10 @@ class RMSNorm(Module):
             raise ValueError(f"RMSNorm: eps must be > 0, got {eps!r}")
         self.weight = Parameter(np.ones(self.d, dtype=check_dtype(dtype)))
 
-    def forward(self, x: np.ndarray) -> np.ndarray:
+    def _check_forward(self, x) -> None:
         check_input("RMSNorm", x, last_dim=self.d, dtype=self.weight.dtype)
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
         rrms = 1 / np.sqrt(np.square(x).mean(axis=-1, keepdims=True) + self.eps)  # (N..., 1)
         xhat = x * rrms  # (N..., d)
         self._cache = (xhat, rrms)
@@ -70,7 +67,6 @@ class RMSNorm(Module):
 
     def backward(self, grad_out: np.ndarray) -> np.ndarray:
         xhat, rrms = self._saved()
-        check_grad("RMSNorm", grad_out, xhat.shape, xhat.dtype)
         self.weight.grad += (grad_out * xhat).reshape(-1, self.d).sum(axis=0)
         dxhat = grad_out * self.weight.data
         dx = dxhat - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True)  # remove the component along xhat
@@ -146,12 +142,11 @@ class RotaryEmbedding(Module):
 
     def forward(self, x: np.ndarray, offset: int = 0) -> np.ndarray:
         y = self.rotate(x, offset)
-        self._cache = (x.shape, offset)
+        self._cache = offset  # the backward rotates back by the same angles
         return y
 
     def backward(self, grad_out: np.ndarray) -> np.ndarray:
-        shape, offset = self._saved()
-        check_grad("RotaryEmbedding", grad_out, shape, self.dtype)
+        offset = self._saved()
         return self.rotate(grad_out, offset, inverse=True)  # y = M x  ->  dx = M^T dy
 
     def extra_repr(self) -> str:
@@ -228,17 +223,12 @@ def repeat_kv(x: np.ndarray, n_rep: int) -> np.ndarray:
     return x if n_rep == 1 else np.repeat(x, n_rep, axis=1)
 
 
-class _GQAFlashSaved(NamedTuple):
-    """What a tiled forward keeps for its backward: q, the repeated k and v, the output and log-sum-exp."""
+class _FlashState(NamedTuple):
+    """What the tiled kernel keeps for its backward: its output and log-sum-exp (the weights are not kept)."""
 
-    q: np.ndarray
-    k_rep: np.ndarray
-    v_rep: np.ndarray
     ctx: np.ndarray
     lse: np.ndarray
     mask: np.ndarray | None
-    x_shape: tuple
-    offset: int
 
 
 class GroupedQueryAttention(Module):
@@ -251,8 +241,9 @@ class GroupedQueryAttention(Module):
     d_head, or None) rotates queries and keys at positions offset .. offset + T - 1, after the projection and the
     split into heads. The key/value cache of `forward_step` holds n_kv_heads heads: n_heads / n_kv_heads times
     smaller than multi-head attention's. After a forward, `attn_weights` holds (B, H, T, T) (before dropout).
-    attention="flash" computes the heads in tiles (chapter 15b's `flash_attention`, on the repeated key/value heads),
-    without attention dropout and without keeping the weights; `use_attention(model, ...)` switches it.
+    attention="flash" computes the heads in tiles of `tile_size` (chapter 15b's `flash_attention`, on the repeated
+    key/value heads), without attention dropout and without keeping the weights; `use_attention(model, ...)`
+    switches it.
     """
 
     def __init__(
@@ -265,7 +256,7 @@ class GroupedQueryAttention(Module):
         *,
         rotary: RotaryEmbedding | None = None,
         attention: str = "explicit",
-        block_size: int = 64,
+        tile_size: int = 64,
         rng=None,
         dtype=np.float32,
     ):
@@ -286,7 +277,7 @@ class GroupedQueryAttention(Module):
         self.out_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
         self.dropout = Dropout(dropout, rng=g)
         self.rotary = rotary
-        self.attention, self.block_size = check_attention(owner, attention, block_size)
+        self.attention, self.tile_size = check_attention(owner, attention, tile_size)
         self.attn_weights: np.ndarray | None = None
 
     def _split(self, x: np.ndarray, n: int) -> np.ndarray:
@@ -299,12 +290,23 @@ class GroupedQueryAttention(Module):
         B, n, T, _ = x.shape
         return x.transpose(0, 2, 1, 3).reshape(B, T, n * self.d_head)
 
-    def _check(self, x: np.ndarray, mask, keys: int, cache: dict | None = None) -> None:
-        """x (B, T, d_model) and the mask over `keys` keys, before anything is projected, cached or stored."""
+    # -- the door: a caller's arguments, checked before anything is projected, cached or stored ----------------------
+
+    def _check_x(self, x) -> None:
         check_input("GroupedQueryAttention: x", x, ndim_min=3, last_dim=self.d_model, dtype=self.q_proj.weight.dtype)
         if x.ndim != 3:
             raise ValueError(f"GroupedQueryAttention: x must be (B, T, d_model), got shape {x.shape}")
+
+    def _check_forward(self, x, mask=None, offset=0) -> None:
+        self._check_x(x)
+        check_attention_call("GroupedQueryAttention", self, x.shape[0], x.shape[1], x.shape[1], mask)
+
+    def _check_forward_step(self, x, cache, mask=None) -> None:
+        self._check_x(x)
+        keys = (cache["k"].shape[2] if "k" in cache else 0) + x.shape[1]  # the cached positions and the new ones
         check_attention_call("GroupedQueryAttention", self, x.shape[0], x.shape[1], keys, mask, cache)
+
+    # -- forward and backward ------------------------------------------------------------------------------------------
 
     def _project(self, x: np.ndarray, offset: int):
         """Queries (B, H, T, dh), keys and values (B, Hkv, T, dh), queries and keys rotated if RoPE is on."""
@@ -316,27 +318,17 @@ class GroupedQueryAttention(Module):
         return q, k, v
 
     def forward(self, x: np.ndarray, mask: np.ndarray | None = None, offset: int = 0) -> np.ndarray:
-        self._check(x, mask, x.shape[1] if isinstance(x, np.ndarray) and x.ndim == 3 else 0)
         q, k, v = self._project(x, offset)
         n_rep = self.n_heads // self.n_kv_heads
         k_rep, v_rep = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # (B, H, T, dh): each kv head to its query heads
-        if self.attention == "flash":  # tiled (chapter 15b): no (B, H, T, T) array
-            return self._forward_flash(q, k_rep, v_rep, mask, x.shape, offset)
-        p = attention_weights(q, k_rep, mask)  # (B, H, T, T)
-        p_drop = self.dropout(p)
-        self.attn_weights = p
-        self._cache = (q, k_rep, v_rep, p, p_drop, x.shape, offset)
-        return self.out_proj(self._merge(p_drop @ v_rep))  # (B, T, d)
+        ctx, saved = self._attend(q, k_rep, v_rep, mask)  # (B, H, T, dh): softmax(q k^T / sqrt(dh)) v, per head
+        self._cache = (q, k_rep, v_rep, saved, offset)
+        return self.out_proj(self._merge(ctx))  # (B, T, d)
 
     def backward(self, grad_out: np.ndarray) -> np.ndarray:
-        if isinstance(self._cache, _GQAFlashSaved):  # after a tiled forward: the weights recomputed from lse
-            return self._backward_flash(grad_out)
-        q, k_rep, v_rep, p, p_drop, x_shape, offset = self._saved()
-        check_grad("GroupedQueryAttention", grad_out, x_shape, q.dtype)
+        q, k_rep, v_rep, saved, offset = self._saved()
         d_ctx = self._split(self.out_proj.backward(grad_out), self.n_heads)  # (B, H, T, dh)
-        dv_rep = np.swapaxes(p_drop, -1, -2) @ d_ctx  # (B, H, T, dh)
-        dp = self.dropout.backward(d_ctx @ np.swapaxes(v_rep, -1, -2))  # (B, H, T, T)
-        dq, dk_rep = attention_weights_backward(dp, q, k_rep, p)
+        dq, dk_rep, dv_rep = self._attend_backward(d_ctx, q, k_rep, v_rep, saved)
         return self._heads_backward(dq, dk_rep, dv_rep, offset)
 
     def _heads_backward(self, dq, dk_rep, dv_rep, offset: int) -> np.ndarray:
@@ -349,24 +341,6 @@ class GroupedQueryAttention(Module):
         dx += self.v_proj.backward(self._merge(dv))
         return dx  # (B, T, d): x fed all three projections
 
-    def _forward_flash(self, q, k_rep, v_rep, mask, x_shape, offset: int) -> np.ndarray:
-        ctx, lse = self._flash(q, k_rep, v_rep, mask)  # (B, H, T, dh), (B, H, T): the weights are not kept
-        self.attn_weights = None
-        self._cache = _GQAFlashSaved(q, k_rep, v_rep, ctx, lse, mask, x_shape, offset)
-        return self.out_proj(self._merge(ctx))  # (B, T, d)
-
-    def _backward_flash(self, grad_out: np.ndarray) -> np.ndarray:
-        q, k_rep, v_rep, ctx, lse, mask, x_shape, offset = self._saved()
-        check_grad("GroupedQueryAttention", grad_out, x_shape, q.dtype)
-        d_ctx = self._split(self.out_proj.backward(grad_out), self.n_heads)  # (B, H, T, dh)
-        dq, dk_rep, dv_rep = flash_attention_backward(
-            d_ctx, q, k_rep, v_rep, ctx, lse, mask, block_size=self.block_size
-        )
-        return self._heads_backward(dq, dk_rep, dv_rep, offset)
-
-    def _flash(self, q, k, v, mask):
-        return flash_heads("GroupedQueryAttention", self, q, k, v, mask)
-
     def _sum_groups(self, g: np.ndarray) -> np.ndarray:
         """The backward of repeat_kv: (B, H, T, dh) -> (B, Hkv, T, dh), summing the n_rep copies of each head."""
         B, _, T, dh = g.shape
@@ -375,22 +349,53 @@ class GroupedQueryAttention(Module):
     def forward_step(self, x: np.ndarray, cache: dict, mask: np.ndarray | None = None) -> np.ndarray:
         """`forward` for new positions x (B, Tn, d) only (inference: no backward). cache["k"], cache["v"]
         (B, Hkv, T, dh) hold every earlier position's keys and values (rotated at their own positions); the new
-        ones are appended. The new positions start at T (the cache's length), where RoPE rotates them. `mask`
-        covers all keys so far, (B or 1, 1, Tn, T + Tn)."""
-        offset = cache["k"].shape[2] if "k" in cache else 0
-        self._check(x, mask, offset + (x.shape[1] if isinstance(x, np.ndarray) and x.ndim == 3 else 0), cache)
-        q, k, v = self._project(x, offset)
+        ones are appended in place (`cache_append`: buffers of cache["capacity"] positions, allocated once). The new
+        positions start at T (the cache's length), where RoPE rotates them. `mask` covers all keys so far,
+        (B or 1, 1, Tn, T + Tn)."""
+        q, k, v = self._project(x, cache["k"].shape[2] if "k" in cache else 0)
         self._cache = None  # nothing for a backward: one after this step is an error, not a wrong gradient
-        if "k" in cache:
-            k, v = np.concatenate([cache["k"], k], axis=2), np.concatenate([cache["v"], v], axis=2)
-        cache["k"], cache["v"] = k, v  # (B, Hkv, T + Tn, dh): the un-repeated heads are what is stored
+        k = cache_append(cache, "k", k, axis=2)  # (B, Hkv, T + Tn, dh): the un-repeated heads are what is stored
+        v = cache_append(cache, "v", v, axis=2)
         n_rep = self.n_heads // self.n_kv_heads
-        if self.attention == "flash":
-            return self.out_proj(self._merge(self._flash(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), mask)[0]))
-        p = attention_weights(q, repeat_kv(k, n_rep), mask)  # (B, H, Tn, T + Tn)
-        return self.out_proj(self._merge(self.dropout(p) @ repeat_kv(v, n_rep)))
+        ctx, _ = self._attend(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), mask)  # (B, H, Tn, dh)
+        return self.out_proj(self._merge(ctx))
+
+    # -- how the heads attend: the weights formed (chapter 6), or in tiles (chapter 15b) -----------------------------
+
+    def _attend(self, q, k, v, mask):
+        """softmax(q k^T / sqrt(dh)) v of q (B, H, Tq, dh), k, v (B, H, Tk, dh): (ctx, what its backward needs)."""
+        return self._attend_flash(q, k, v, mask) if self.attention == "flash" else self._attend_explicit(q, k, v, mask)
+
+    def _attend_backward(self, d_ctx, q, k, v, saved):
+        """dq, dk, dv from d_ctx (B, H, Tq, dh), by the kernel the forward ran."""
+        if isinstance(saved, _FlashState):
+            return self._attend_flash_backward(d_ctx, q, k, v, saved)
+        return self._attend_explicit_backward(d_ctx, q, k, v, saved)
+
+    def _attend_explicit(self, q, k, v, mask):
+        p = attention_weights(q, k, mask)  # (B, H, Tq, Tk)
+        p_drop = self.dropout(p)
+        self.attn_weights = p
+        return p_drop @ v, (p, p_drop)
+
+    def _attend_explicit_backward(self, d_ctx, q, k, v, saved):
+        p, p_drop = saved
+        dv = np.swapaxes(p_drop, -1, -2) @ d_ctx  # (B, H, Tk, dh)
+        dp = self.dropout.backward(d_ctx @ np.swapaxes(v, -1, -2))  # (B, H, Tq, Tk)
+        dq, dk = attention_weights_backward(dp, q, k, p)
+        return dq, dk, dv
+
+    def _attend_flash(self, q, k, v, mask):
+        # the tiled kernel has no attention dropout: refused in training (no mask, no cache: only that is checked)
+        check_attention_call("GroupedQueryAttention", self, len(q), q.shape[2], k.shape[2], None)
+        ctx, lse = flash_attention(q, k, v, mask, block_size=self.tile_size)  # (B, H, Tq, dh), (B, H, Tq)
+        self.attn_weights = None
+        return ctx, _FlashState(ctx, lse, mask)
+
+    def _attend_flash_backward(self, d_ctx, q, k, v, saved):
+        return flash_attention_backward(d_ctx, q, k, v, saved.ctx, saved.lse, saved.mask, block_size=self.tile_size)
 
     def extra_repr(self) -> str:
         rope = ", rotary" if self.rotary is not None else ""
-        flash = f", attention='flash', block_size={self.block_size}" if self.attention == "flash" else ""
+        flash = f", attention='flash', tile_size={self.tile_size}" if self.attention == "flash" else ""
         return f"d_model={self.d_model}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}{rope}{flash}"

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from tfm_common.pitfalls import HEAD_PROJECTIONS, SCORE_SCALES
 from tfm_common.validate import check_choice, check_size, check_sizes
 
-from .decoding import cache_append
 from .flash import flash_attention
+from .kv_cache import cache_append
 from .layers import Dropout, Linear
 from .module import Module, _autocast_dtype, as_generator, check_dtype, check_input
 
@@ -339,7 +339,7 @@ def use_attention(model, attention: str = "explicit", block_size: int = 64):
     switched = 0
     for m in model.modules():
         if isinstance(m, (MultiHeadAttention, GroupedQueryAttention)):
-            m.attention, m.block_size = attention, block_size
+            m.attention, m.block_size, m.tile_size = attention, block_size, block_size
             switched += 1
     if not switched:  # nothing would change: say so rather than return the model as it was
         raise ValueError(f"use_attention: {type(model).__name__} has no attention module to switch to {attention!r}")

@@ -1,5 +1,5 @@
 """Decoding, PyTorch track: the same functions, arguments and conventions as tfm_numpy.decoding (see its
-docstring): greedy search, beam search with the GNMT length penalty, and the key/value cache.
+docstring): greedy search and beam search with the GNMT length penalty (the key/value cache: kv_cache.py).
 
 Inference only: every function runs under `torch.no_grad()` with the model in eval mode (restored after).
 Tokens are int64 tensors on the model's device; the same weights give the same tokens as the NumPy track.
@@ -8,15 +8,17 @@ Tokens are int64 tensors on the model's device; the same weights give the same t
 from __future__ import annotations
 
 import math
-import numbers
 from contextlib import contextmanager
 
 import torch
 
+from tfm_common.search import check_search_args, describe
+
 from .functional import log_softmax
+from .kv_cache import reorder_cache
 from .module import check_indices
 
-__all__ = ["length_penalty", "greedy_decode", "beam_search", "sequence_scores", "reorder_cache", "cache_append"]
+__all__ = ["length_penalty", "greedy_decode", "beam_search", "sequence_scores"]
 
 
 def length_penalty(length, alpha: float = 0.6):
@@ -35,7 +37,7 @@ def greedy_decode(model, src: torch.Tensor, bos_id: int, eos_id: int, max_len: i
 
     src (B, S) ids -> tokens (B, L), L <= max_len, without the bos; `model.pad_id` after each row's eos.
     """
-    _check_args("greedy_decode", model, bos_id, eos_id, max_len)
+    check_search_args("greedy_decode", model, bos_id, eos_id, max_len)
     with _eval_mode(model):
         memory, src_mask = model.encode(src)  # once: every step reads the same memory
         B = memory.shape[0]
@@ -71,10 +73,7 @@ def beam_search(
     completes a hypothesis; the K best complete ones are kept, and a source is done when the worst of them scores
     at least the best live beam's log p / length_penalty(t, alpha): exact for alpha = 0, a heuristic bound for
     alpha > 0). Returns tokens (B, L), and with return_scores=True also scores (B,) float64."""
-    _check_args("beam_search", model, bos_id, eos_id, max_len)
-    K = _check_int("beam_search", "beam_size", beam_size)
-    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not 0 <= alpha < math.inf:
-        raise ValueError(f"beam_search: alpha must be a float >= 0, got {alpha!r}")
+    K = check_search_args("beam_search", model, bos_id, eos_id, max_len, beam_size=beam_size, alpha=alpha)
     with _eval_mode(model):
         memory, src_mask = model.encode(src)
         B, V, dev = memory.shape[0], model.tgt_vocab_size, memory.device
@@ -130,14 +129,16 @@ def beam_search(
 def sequence_scores(model, src: torch.Tensor, tokens: torch.Tensor, bos_id: int, eos_id: int, alpha: float = 0.6):
     """log p(Y | X) / length_penalty(|Y|, alpha) of each row of `tokens` (B, L) (without the bos), teacher-forced,
     counting the tokens up to and including the first eos (all the non-pad ones if none). Returns (B,) float64."""
-    _check_args("sequence_scores", model, bos_id, eos_id)
+    check_search_args("sequence_scores", model, bos_id, eos_id)
     if (
         not isinstance(tokens, torch.Tensor)
         or tokens.dim() != 2
         or tokens.dtype == torch.bool
         or (tokens.is_floating_point() or tokens.is_complex())
     ):
-        raise ValueError(f"sequence_scores: tokens expected a (B, L) integer tensor, got {_describe(tokens)}")
+        raise ValueError(
+            f"sequence_scores: tokens expected a (B, L) integer tensor, got {describe(tokens, torch.Tensor)}"
+        )
     check_indices("sequence_scores: tokens", tokens, model.tgt_vocab_size)  # every column, the last one too
     with _eval_mode(model):
         bos = torch.full((len(tokens), 1), bos_id, dtype=tokens.dtype, device=tokens.device)
@@ -148,57 +149,6 @@ def sequence_scores(model, src: torch.Tensor, tokens: torch.Tensor, bos_id: int,
     return torch.where(counted, token_logp, 0.0).sum(dim=1) / length_penalty(counted.sum(dim=1), alpha)
 
 
-# -- the cache ------------------------------------------------------------------------------------------------------
-
-
-def cache_append(cache: dict, name: str, new: torch.Tensor, axis: int) -> torch.Tensor:
-    """Append `new` to cache[name] along `axis` in place, in a buffer cache[name + "_buf"] of cache["capacity"]
-    positions allocated once; cache[name] is a view of the written part (as tfm_numpy.cache_append)."""
-    old, buf = cache.get(name), cache.get(name + "_buf")
-    if not cache.get("preallocate", True):  # the quadratic way, kept to measure the difference: copy all, each step
-        cache[name] = new if old is None else torch.cat([old, new], dim=axis)
-        return cache[name]
-    t0 = 0 if old is None else old.shape[axis]
-    t1 = t0 + new.shape[axis]
-    if buf is None or buf.shape[axis] < t1:
-        shape = list(new.shape)
-        shape[axis] = max(t1, cache.get("capacity", 0), 2 * t0)
-        buf = new.new_empty(shape)
-        if t0:
-            buf[_span(axis, 0, t0)] = old
-        cache[name + "_buf"] = buf
-    buf[_span(axis, t0, t1)] = new
-    cache[name] = buf[_span(axis, 0, t1)]  # a view: no copy
-    return cache[name]
-
-
-def _span(axis: int, start: int, stop: int) -> tuple:
-    return (slice(None),) * axis + (slice(start, stop),)
-
-
-def reorder_cache(cache: dict, rows: torch.Tensor) -> dict:
-    """The cache of `Transformer.decode_step` for the batch rows `rows` (repeats allowed), in that order (as
-    tfm_numpy.reorder_cache): after a beam search step, each new beam needs its parent's keys and values. A
-    preallocated buffer is gathered into a new one of the same capacity, copying only the written positions."""
-    if isinstance(cache, list):
-        return [reorder_cache(v, rows) for v in cache]
-    if not isinstance(cache, dict):
-        return cache[rows] if isinstance(cache, torch.Tensor) else cache  # tensors are batch-first
-    out = {}
-    for key, value in cache.items():
-        buf = cache.get(key + "_buf")
-        if key.endswith("_buf") and key[:-4] in cache:
-            continue  # handled with its view
-        if buf is None:
-            out[key] = reorder_cache(value, rows)
-            continue
-        used = tuple(slice(0, n) for n in value.shape[1:])
-        new_buf = buf.new_empty((len(rows), *buf.shape[1:]))
-        new_buf[(slice(None), *used)] = value[rows]
-        out[key + "_buf"], out[key] = new_buf, new_buf[(slice(None), *used)]
-    return out
-
-
 def _next_logits(model, tgt, memory, src_mask, cache: dict | None) -> torch.Tensor:
     """The logits (B, V) of the token after `tgt` (B, T): the last token through the cache, or all of `tgt`."""
     if cache is None:
@@ -206,7 +156,7 @@ def _next_logits(model, tgt, memory, src_mask, cache: dict | None) -> torch.Tens
     return model.decode_step(tgt[:, -1:], memory, src_mask, cache)[:, -1]  # the new token only
 
 
-# -- checks -------------------------------------------------------------------------------------------------------
+# -- eval mode ----------------------------------------------------------------------------------------------------
 
 
 @contextmanager
@@ -218,31 +168,3 @@ def _eval_mode(model):
         yield model
     finally:
         model.train(was_training)
-
-
-def _check_int(name: str, arg: str, value, low: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-        raise ValueError(f"{name}: {arg} must be an int >= {low}, got {value!r}")
-    return int(value)
-
-
-def _describe(x) -> str:
-    return f"shape {tuple(x.shape)}, dtype {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
-
-
-def _check_args(name: str, model, bos_id, eos_id, max_len=None) -> None:
-    """Special ids are tokens of the target vocabulary other than pad; max_len fits the model's positions."""
-    V, pad = model.tgt_vocab_size, model.pad_id
-    for arg, value in (("bos_id", bos_id), ("eos_id", eos_id)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= value < V:
-            raise ValueError(f"{name}: {arg} must be a token id in [0, {V}) (the target vocabulary), got {value!r}")
-        if value == pad:
-            raise ValueError(f"{name}: {arg}={value} is the model's pad_id: padding is masked, it cannot be {arg}")
-    if max_len is None:
-        return
-    _check_int(name, "max_len", max_len)
-    if max_len > model.max_len:
-        raise ValueError(
-            f"{name}: max_len={max_len} exceeds the model's max_len={model.max_len} (the decoder reads bos and up "
-            f"to max_len - 1 generated tokens, one position each)"
-        )

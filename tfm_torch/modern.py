@@ -9,7 +9,9 @@ from torch import nn
 
 from tfm_common.validate import check_real, check_size, check_sizes
 
-from .attention import attention_weights, check_attention, check_attention_call, flash_heads
+from .attention import attention_weights, check_attention, check_attention_call
+from .flash import flash_attention
+from .kv_cache import cache_append
 from .layers import Dropout, Linear
 from .module import Module, as_generator, check_dtype, check_input
 
@@ -38,8 +40,10 @@ class RMSNorm(Module):
             raise ValueError(f"RMSNorm: eps must be > 0, got {eps!r}")
         self.weight = nn.Parameter(torch.ones(self.d, dtype=check_dtype(dtype)))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _check_forward(self, x) -> None:
         check_input("RMSNorm", x, last_dim=self.d, dtype=self.weight.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * torch.rsqrt((x * x).mean(dim=-1, keepdim=True) + self.eps) * self.weight
 
     def extra_repr(self) -> str:
@@ -149,7 +153,7 @@ class GroupedQueryAttention(Module):
         *,
         rotary: RotaryEmbedding | None = None,
         attention: str = "explicit",
-        block_size: int = 64,
+        tile_size: int = 64,
         rng=None,
         dtype=None,
     ):
@@ -170,7 +174,7 @@ class GroupedQueryAttention(Module):
         self.out_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
         self.dropout = Dropout(dropout, rng=g)
         self.rotary = rotary
-        self.attention, self.block_size = check_attention(owner, attention, block_size)
+        self.attention, self.tile_size = check_attention(owner, attention, tile_size)
         self.attn_weights: torch.Tensor | None = None
 
     def _split(self, x: torch.Tensor, n: int) -> torch.Tensor:
@@ -181,11 +185,19 @@ class GroupedQueryAttention(Module):
         B, n, T, _ = x.shape
         return x.transpose(1, 2).reshape(B, T, n * self.d_head)
 
-    def _check(self, x: torch.Tensor, mask, keys: int, cache: dict | None = None) -> None:
-        """x (B, T, d_model) and the mask over `keys` keys, before anything is projected or cached (as tfm_numpy's)."""
+    def _check_x(self, x) -> None:
         check_input("GroupedQueryAttention: x", x, ndim_min=3, last_dim=self.d_model, dtype=self.q_proj.weight.dtype)
         if x.dim() != 3:
             raise ValueError(f"GroupedQueryAttention: x must be (B, T, d_model), got shape {tuple(x.shape)}")
+
+    def _check_forward(self, x, mask=None, offset=0) -> None:
+        """At the door: x (B, T, d_model) and the mask, before anything is projected or cached (as tfm_numpy's)."""
+        self._check_x(x)
+        check_attention_call("GroupedQueryAttention", self, x.shape[0], x.shape[1], x.shape[1], mask)
+
+    def _check_forward_step(self, x, cache, mask=None) -> None:
+        self._check_x(x)
+        keys = (cache["k"].shape[2] if "k" in cache else 0) + x.shape[1]  # the cached positions and the new ones
         check_attention_call("GroupedQueryAttention", self, x.shape[0], x.shape[1], keys, mask, cache)
 
     def _project(self, x: torch.Tensor, offset: int):
@@ -196,39 +208,45 @@ class GroupedQueryAttention(Module):
             q, k = self.rotary.rotate(q, offset), self.rotary.rotate(k, offset)
         return q, k, v
 
-    def _attend(self, q, k, v, mask) -> torch.Tensor:
-        n_rep = self.n_heads // self.n_kv_heads
-        if self.attention != "explicit":
-            self.attn_weights = None
-            return self.out_proj(self._merge(self._fused(q, k, v, mask, n_rep)))
-        p = attention_weights(q, repeat_kv(k, n_rep), mask)  # (B, H, Tq, Tk)
-        self.attn_weights = p.detach()
-        return self.out_proj(self._merge(self.dropout(p) @ repeat_kv(v, n_rep)))
-
-    def _fused(self, q, k, v, mask, n_rep: int) -> torch.Tensor:
-        """The heads' outputs (B, H, Tq, dh) without keeping the weights: torch's kernels ("sdpa"), or tiled."""
-        if self.attention == "sdpa":
-            p = self.dropout.p if self.training else 0.0
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, enable_gqa=n_rep > 1)
-        return flash_heads("GroupedQueryAttention", self, q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), mask)
-
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, offset: int = 0) -> torch.Tensor:
-        self._check(x, mask, x.shape[1] if isinstance(x, torch.Tensor) and x.dim() == 3 else 0)
-        return self._attend(*self._project(x, offset), mask)  # (B, T, d)
+        q, k, v = self._project(x, offset)  # (B, H, T, dh), k and v (B, Hkv, T, dh)
+        return self.out_proj(self._merge(self._attend(q, k, v, mask)))  # (B, T, d)
 
     def forward_step(self, x: torch.Tensor, cache: dict, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """`forward` for new positions only; cache["k"], cache["v"] (B, Hkv, T, dh) grow by the new ones."""
-        offset = cache["k"].shape[2] if "k" in cache else 0
-        self._check(x, mask, offset + (x.shape[1] if isinstance(x, torch.Tensor) and x.dim() == 3 else 0), cache)
-        q, k, v = self._project(x, offset)
-        if "k" in cache:
-            k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)
-        cache["k"], cache["v"] = k, v
-        return self._attend(q, k, v, mask)
+        """`forward` for new positions only; cache["k"], cache["v"] (B, Hkv, T, dh) grow by the new ones, in place
+        (`cache_append`: buffers of cache["capacity"] positions, allocated once)."""
+        q, k, v = self._project(x, cache["k"].shape[2] if "k" in cache else 0)
+        k, v = cache_append(cache, "k", k, axis=2), cache_append(cache, "v", v, axis=2)  # (B, Hkv, T + Tn, dh)
+        return self.out_proj(self._merge(self._attend(q, k, v, mask)))
+
+    def _attend(self, q, k, v, mask) -> torch.Tensor:
+        """The heads' softmax(q k^T / sqrt(dh)) v (B, H, Tq, dh) from q (B, H, Tq, dh) and k, v (B, Hkv, Tk, dh)."""
+        attend = {"explicit": self._attend_explicit, "flash": self._attend_flash, "sdpa": self._attend_sdpa}
+        return attend[self.attention](q, k, v, mask)
+
+    def _attend_explicit(self, q, k, v, mask) -> torch.Tensor:
+        n_rep = self.n_heads // self.n_kv_heads
+        p = attention_weights(q, repeat_kv(k, n_rep), mask)  # (B, H, Tq, Tk)
+        self.attn_weights = p.detach()
+        return self.dropout(p) @ repeat_kv(v, n_rep)
+
+    def _attend_flash(self, q, k, v, mask) -> torch.Tensor:
+        # the tiled kernel has no attention dropout: refused in training (no mask, no cache: only that is checked)
+        check_attention_call("GroupedQueryAttention", self, len(q), q.shape[2], k.shape[2], None)
+        self.attn_weights = None
+        n_rep = self.n_heads // self.n_kv_heads
+        return flash_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), mask, block_size=self.tile_size)[0]
+
+    def _attend_sdpa(self, q, k, v, mask) -> torch.Tensor:
+        """torch's kernels, the key/value heads not repeated (enable_gqa)."""
+        self.attn_weights = None
+        p = self.dropout.p if self.training else 0.0
+        enable_gqa = self.n_kv_heads < self.n_heads
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, enable_gqa=enable_gqa)
 
     def extra_repr(self) -> str:
         rope = ", rotary" if self.rotary is not None else ""
-        impl = {"flash": f", attention='flash', block_size={self.block_size}", "sdpa": ", attention='sdpa'"}
+        impl = {"flash": f", attention='flash', tile_size={self.tile_size}", "sdpa": ", attention='sdpa'"}
         return f"d_model={self.d_model}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}{rope}" + impl.get(
             self.attention, ""
         )
