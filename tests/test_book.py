@@ -76,8 +76,13 @@ def python_files(package: str) -> set[str]:
     return {p.relative_to(ROOT / package).as_posix() for p in (ROOT / package).rglob("*.py")}
 
 
+# A NumPy file without a twin, and why: the lean decoding step fuses the cached decoder's products by hand (2-3x at
+# batch 8, measured); the torch searches run every cached step through Transformer.decode_step.
+NUMPY_ONLY = {"fast_decode.py"}
+
+
 def test_tracks_mirror_file_for_file():
-    assert python_files("tfm_numpy") == python_files("tfm_torch")
+    assert python_files("tfm_numpy") - NUMPY_ONLY == python_files("tfm_torch")
 
 
 def test_numpy_track_never_imports_torch():
