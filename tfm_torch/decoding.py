@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import math
 import numbers
-from contextlib import contextmanager
 
 import torch
+
+from tfm_common.training import eval_mode
 
 from .functional import log_softmax
 from .module import check_indices
@@ -36,7 +37,7 @@ def greedy_decode(model, src: torch.Tensor, bos_id: int, eos_id: int, max_len: i
     src (B, S) ids -> tokens (B, L), L <= max_len, without the bos; `model.pad_id` after each row's eos.
     """
     _check_args("greedy_decode", model, bos_id, eos_id, max_len)
-    with _eval_mode(model):
+    with eval_mode(model):
         memory, src_mask = model.encode(src)  # once: every step reads the same memory
         B = memory.shape[0]
         tgt = torch.full((B, 1), bos_id, dtype=torch.long, device=memory.device)  # bos, then every choice so far
@@ -75,7 +76,7 @@ def beam_search(
     K = _check_int("beam_search", "beam_size", beam_size)
     if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not 0 <= alpha < math.inf:
         raise ValueError(f"beam_search: alpha must be a float >= 0, got {alpha!r}")
-    with _eval_mode(model):
+    with eval_mode(model):
         memory, src_mask = model.encode(src)
         B, V, dev = memory.shape[0], model.tgt_vocab_size, memory.device
         if B == 0:  # an empty batch: what greedy_decode returns for it, (0, 1)
@@ -139,7 +140,7 @@ def sequence_scores(model, src: torch.Tensor, tokens: torch.Tensor, bos_id: int,
     ):
         raise ValueError(f"sequence_scores: tokens expected a (B, L) integer tensor, got {_describe(tokens)}")
     check_indices("sequence_scores: tokens", tokens, model.tgt_vocab_size)  # every column, the last one too
-    with _eval_mode(model):
+    with eval_mode(model):
         bos = torch.full((len(tokens), 1), bos_id, dtype=tokens.dtype, device=tokens.device)
         logp = log_softmax(model(src, torch.cat([bos, tokens[:, :-1]], dim=1)))  # (B, L, V)
     token_logp = logp.gather(-1, tokens[..., None].long())[..., 0].to(torch.float64)  # (B, L)
@@ -207,17 +208,6 @@ def _next_logits(model, tgt, memory, src_mask, cache: dict | None) -> torch.Tens
 
 
 # -- checks -------------------------------------------------------------------------------------------------------
-
-
-@contextmanager
-def _eval_mode(model):
-    """Dropout off for the duration, the caller's mode restored after."""
-    was_training = model.training
-    model.eval()
-    try:
-        yield model
-    finally:
-        model.train(was_training)
 
 
 def _check_int(name: str, arg: str, value, low: int = 1) -> int:
