@@ -193,36 +193,12 @@ def eval_mode(model):
 # -- the loop -------------------------------------------------------------------------------------------------------
 
 
-def fit(
-    model,
-    batches,
-    optimizer,
-    *,
-    train_step: Callable,
-    train_step_accumulated: Callable,
-    loss_class: type,
-    save_checkpoint: Callable,
-    steps_taken: Callable,
-    steps: int | None,
-    epochs: int | None,
-    warmup: int,
-    factor: float,
-    d_model: int | None,
-    lr_schedule,
-    cooldown: int,
-    label_smoothing: float | None,
-    loss_fn,
-    clip_norm: float | None,
-    accumulate: int,
-    eval_fn,
-    eval_every: int | None,
-    checkpoint_path,
-    checkpoint_every: int | None,
-    history: History | None,
-    progress: bool,
-    log_every: int,
-    desc: str,
-) -> History:
+def fit(model, batches, optimizer, *, train_step: Callable, train_step_accumulated: Callable, loss_class: type,
+        save_checkpoint: Callable, steps_taken: Callable, steps: int | None, epochs: int | None, warmup: int,
+        factor: float, d_model: int | None, lr_schedule, cooldown: int, label_smoothing: float | None, loss_fn,
+        clip_norm: float | None, accumulate: int, eval_fn, eval_every: int | None, checkpoint_path,
+        checkpoint_every: int | None, history: History | None, progress: bool, log_every: int,
+        desc: str) -> History:  # fmt: skip
     """The training loop of both tracks (`tfm_numpy.train`, `tfm_torch.train` call it with their own pieces):
     train `model` with `optimizer` for `steps` updates or `epochs` passes over `batches`; return the History.
 

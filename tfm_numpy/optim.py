@@ -257,10 +257,7 @@ def clip_grad_norm(params: Iterable[Parameter], max_norm: float) -> float:
     as one vector); each g is multiplied by min(max_norm / (total + 1e-6), 1). Below the threshold the
     gradients are untouched.
     """
-    params = [p for p in _param_list(params, "clip_grad_norm") if p.grad is not None]  # None: no gradient (torch)
-    max_norm = _check_real("clip_grad_norm", "max_norm", max_norm, 0.0)
-    if not params:
-        return 0.0
+    params, max_norm = _check_clip(params, max_norm)  # the parameters that have a gradient (None: none, as torch)
     norms = np.array([np.sqrt(np.sum(p.grad * p.grad)) for p in params])
     total = float(np.sqrt(np.sum(norms * norms)))
     coef = max_norm / (total + 1e-6)
@@ -268,6 +265,11 @@ def clip_grad_norm(params: Iterable[Parameter], max_norm: float) -> float:
         for p in params:
             p.grad *= coef
     return total
+
+
+def _check_clip(params, max_norm) -> tuple[list[Parameter], float]:
+    params = [p for p in _param_list(params, "clip_grad_norm") if p.grad is not None]
+    return params, _check_real("clip_grad_norm", "max_norm", max_norm, 0.0)
 
 
 def grad_norm(params) -> float:

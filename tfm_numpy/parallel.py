@@ -29,7 +29,7 @@ from tfm_common.training import HALF, MixedStepResult, StepResult, check_finite_
 from tfm_common.validate import check_choice, check_flag, check_size
 
 from .loss import CrossEntropyLoss
-from .module import _CALLS, Module, ModuleList, Parameter
+from .module import Module, ModuleList, Parameter, inner_calls
 from .optim import Adam, apply_update, grad_norm
 
 __all__ = [
@@ -93,12 +93,10 @@ def _replay(saved: list[tuple[np.random.Generator, dict]]):
     now = [g.bit_generator.state for g, _ in saved]
     for g, state in saved:
         g.bit_generator.state = state
-    depth = getattr(_CALLS, "depth", 0)
-    _CALLS.depth = depth + 1  # the saved inputs were copied at the first forward: do not copy them again
     try:
-        yield
+        with inner_calls():  # the saved inputs were copied at the first forward: do not copy them again
+            yield
     finally:
-        _CALLS.depth = depth
         for (g, _), state in zip(saved, now, strict=True):
             g.bit_generator.state = state
 
