@@ -28,6 +28,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .data import PAD_ID, Batch, Vocab
+from .metrics import corpus_bleu, exact_match
 from .parallel import check_micro_batches, split_batch
 from .schedules import check_cooldown, cooldown_scale, noam_lr
 from .validate import check_size
@@ -446,8 +447,6 @@ def evaluate_pairs(
     """Decode every source of `pairs` ((source text, reference text)) with `decode(src (B, S) int64, max_len)`
     -> ids (B, L) (a track's greedy decoding of `model`, in eval mode here), in batches of similar source length;
     compare the decoded texts with the references. max_len None: the model's."""
-    from .metrics import corpus_bleu, exact_match  # here: metrics imports sacrebleu lazily as well
-
     if not isinstance(src_vocab, Vocab) or not isinstance(tgt_vocab, Vocab):
         raise TypeError(f"{name}: src_vocab and tgt_vocab expected tfm_common.data.Vocab objects")
     pairs = list(pairs)
