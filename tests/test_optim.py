@@ -258,9 +258,9 @@ def test_noam_lr_bad_input(noam_lr):
         noam_lr(0, 512, 4000)
     with pytest.raises(TypeError, match="step expected an int"):
         noam_lr(1.5, 512, 4000)
-    with pytest.raises(ValueError, match="warmup must be >= 1"):
+    with pytest.raises(ValueError, match="warmup must be an int >= 1"):
         noam_lr(1, 512, 0)
-    with pytest.raises(ValueError, match="d_model must be >= 1"):
+    with pytest.raises(ValueError, match="d_model must be an int >= 1"):
         noam_lr(1, 0, 10)
     with pytest.raises(ValueError, match="factor must be a positive"):
         noam_lr(1, 512, 10, factor=0.0)

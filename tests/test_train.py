@@ -256,10 +256,10 @@ def test_non_finite_loss_stops_with_the_step():
     [
         (dict(steps=None), ValueError, "exactly one of steps and epochs"),
         (dict(steps=3, epochs=1), ValueError, "exactly one of steps and epochs"),
-        (dict(steps=0), ValueError, "steps must be >= 1, got 0"),
+        (dict(steps=0), ValueError, "steps must be an int >= 1, got 0"),
         (dict(steps=2.5), TypeError, "steps expected an int"),
-        (dict(log_every=0), ValueError, "log_every must be >= 1"),
-        (dict(warmup=0), ValueError, "warmup must be >= 1"),
+        (dict(log_every=0), ValueError, "log_every must be an int >= 1"),
+        (dict(warmup=0), ValueError, "warmup must be an int >= 1"),
         (dict(factor=-1.0), ValueError, "factor must be a positive"),
         (dict(lr_schedule=0.1), TypeError, "lr_schedule expected a callable"),
         (dict(label_smoothing=0.1, loss_fn=tn.CrossEntropyLoss(0)), ValueError, "label_smoothing or loss_fn"),
@@ -269,7 +269,7 @@ def test_non_finite_loss_stops_with_the_step():
         (dict(eval_fn=3), TypeError, "eval_fn expected a callable"),
         (dict(history=[]), TypeError, "history expected a History"),
         (dict(cooldown=21), ValueError, "cooldown=21 is longer than the 20 steps"),
-        (dict(cooldown=-1), ValueError, "cooldown must be >= 0"),
+        (dict(cooldown=-1), ValueError, "cooldown must be an int >= 0"),
         (
             dict(steps=None, epochs=1, cooldown=2, batches=lambda e: batches()),
             ValueError,
@@ -306,3 +306,41 @@ def test_bad_models_optimizers_and_batches(track):
         track.train_step(model, "batch", opt, track.CrossEntropyLoss(0), 1e-3)
     with pytest.raises(ValueError, match="pairs is empty"):
         track.evaluate(model, [], VOCAB, VOCAB)
+
+
+# -- the plumbing shared by the tracks ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("track", [tn, tt], ids=["numpy", "torch"])
+def test_train_and_evaluate_give_every_submodule_its_own_mode_back(track):
+    """A frozen part (here the encoder, in eval mode inside a model in training mode) stays frozen after an
+    evaluation and after training: each submodule gets its own mode back, not the model's."""
+    model = np_model(dropout=0.1)
+    model = model if track is tn else torch_twin(model)
+    model.train()
+    model.encoder.eval()
+    modes = [(m, m.training) for _, m in model.named_modules()]
+    track.evaluate(model, reverse_task(4, 2, 4, 8, rng=1), VOCAB, VOCAB, max_len=8, bleu=False)
+    assert [m.training for m, _ in modes] == [was for _, was in modes]
+    run(track, model, batches(), steps=1)
+    assert [m.training for m, _ in modes] == [was for _, was in modes]
+
+
+@pytest.mark.parametrize("track", [tn, tt], ids=["numpy", "torch"])
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NumPy warns of the inf and nan on the way
+def test_a_non_finite_step_is_refused_in_the_name_of_its_step_function(track):
+    model = np_model()
+    model = model if track is tn else torch_twin(model)
+    with torch.no_grad():
+        weight = model.output_projection.weight
+        (weight.data if track is tn else weight)[3, 0] = np.inf  # an infinite logit weight: the loss is nan
+    data, loss_fn = batches(), track.CrossEntropyLoss(0)
+    with pytest.raises(FloatingPointError, match="^train_step_accumulated: the loss is nan"):
+        track.train_step_accumulated(model, data[:2], track.make_adam(model), loss_fn, 1e-3)
+    with pytest.raises(FloatingPointError, match="^train_step: the loss is nan"):
+        track.train_step(model, data[0], track.make_adam(model), loss_fn, 1e-3)
+
+
+def test_the_schedules_are_one_object_for_both_tracks():
+    assert tn.noam_lr is tt.noam_lr and tn.LossScaler is tt.LossScaler
+    assert tt.Linear(3, 2).num_parameters() == tn.Linear(3, 2).num_parameters() == 8  # every torch module counts

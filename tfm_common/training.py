@@ -1,54 +1,76 @@
-"""What the two training loops share (pure Python and NumPy, never a track): the record of a run, the stream of
-batches, the checks of the loop's arguments, and the evaluation on decoded text.
+"""What the two tracks' training shares (pure Python and NumPy, never a track): the loop, the record of a run,
+the checks of a step's arguments, the eval mode, and the evaluation on decoded text.
 
-The loops themselves live in `tfm_numpy.train` and `tfm_torch.train`, one per track, written alike; the only
-real difference between them is the backward pass (by hand in NumPy, autograd in torch).
+`tfm_numpy.train` and `tfm_torch.train` hold what differs: the step (the backward by hand in NumPy, autograd in
+torch), and they hand it to `fit`, the one loop of both tracks.
 
+- `fit`: the loop: batches for `steps` updates or `epochs` passes, the lr schedule and its cool-down, the progress
+  bar, evaluations and checkpoints along the way, one `History` entry per step.
 - `History`: one entry per optimizer step (the step number, the loss, the learning rate, the gradient norm
   before clipping, the target tokens in the batch) and the evaluations made during training. It survives a
   JSON round trip (`to_dict` / `from_dict`), so it rides along in a checkpoint's `extra`.
-- `StepResult`: what one `train_step` returns, `(loss, grad_norm)`, the unit compared across tracks.
+- `StepResult`: what one `train_step` returns, `(loss, grad_norm)`, the unit compared across tracks
+  (`MixedStepResult` for a mixed-precision step).
+- `eval_mode`: a block run with dropout off, every submodule's mode restored after.
 - `Evaluation`: exact match and corpus BLEU of greedily decoded outputs against the references, with the texts.
 """
 
 from __future__ import annotations
 
 import math
-import numbers
+import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
 
 import numpy as np
 
 from .data import PAD_ID, Batch, Vocab
+from .metrics import corpus_bleu, exact_match
+from .parallel import check_micro_batches, split_batch
+from .schedules import check_cooldown, cooldown_scale, noam_lr
+from .validate import check_size
 
 __all__ = [
     "check_finite_step",
-    "check_optimizer_of",
+    "check_step",
+    "HALF",
     "History",
     "StepResult",
+    "MixedStepResult",
+    "eval_mode",
+    "fit",
     "Evaluation",
     "batch_stream",
     "evaluate_pairs",
 ]
 
+HALF = ("float16", "bfloat16")  # the 16-bit formats of mixed precision
+_NOT_GIVEN = object()
 
-def check_finite_step(loss: float, grad_norm: float) -> None:
+
+def check_finite_step(name: str, loss: float, grad_norm: float) -> None:
     """Before the optimizer step: a non-finite loss or gradient would turn finite weights into NaN and move the
     step count. Raise instead, so the model, the optimizer's state and its step count stay as they were."""
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):
         raise FloatingPointError(
-            f"train_step: the loss is {loss} and the gradient norm {grad_norm}: not finite, so the update was not "
+            f"{name}: the loss is {loss} and the gradient norm {grad_norm}: not finite, so the update was not "
             "applied (weights, optimizer state and step count unchanged); lower the lr, clip gradients or check "
             "the batch"
         )
 
 
-def check_optimizer_of(name: str, model_params, optimizer_params) -> None:
-    """Before a step: every parameter the optimizer updates must be one of the model's. An optimizer made for
+def check_step(name: str, model_params, optimizer_params, *, batch=_NOT_GIVEN, micro_batches=_NOT_GIVEN) -> None:
+    """Before a step changes anything: its `batch` a `Batch` (or its `micro_batches` a non-empty list of them),
+    where the step takes one, and every parameter the optimizer updates one of the model's. An optimizer made for
     another model, or before the model was rebuilt (a notebook cell run again), would step those parameters with
     this model's gradients never applied: the loss would not move, and nothing would say why."""
+    if batch is not _NOT_GIVEN and not isinstance(batch, Batch):
+        raise TypeError(f"{name}: batch expected a tfm_common.data.Batch, got {type(batch).__name__}")
+    if micro_batches is not _NOT_GIVEN:
+        check_micro_batches(name, micro_batches)
     own, params = {id(p) for p in model_params}, list(optimizer_params)
     stray = sum(id(p) not in own for p in params)
     if stray:
@@ -63,6 +85,15 @@ class StepResult(NamedTuple):
 
     loss: float
     grad_norm: float
+
+
+class MixedStepResult(NamedTuple):
+    """One mixed-precision step (`train_step_mixed`)."""
+
+    loss: float
+    grad_norm: float  # of the unscaled gradients; inf when the step was skipped
+    skipped: bool
+    scale: float  # the loss scale used for this step
 
 
 @dataclass
@@ -129,35 +160,192 @@ class History:
         )
 
 
-# -- arguments ------------------------------------------------------------------------------------------------
+# -- modes ----------------------------------------------------------------------------------------------------------
 
 
-def check_int(name: str, arg: str, value, low: int, allow_none: bool = False) -> int | None:
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name}: {arg} expected an int{' or None' if allow_none else ''}, got {type(value).__name__}")
-    if value < low:
-        raise ValueError(f"{name}: {arg} must be >= {low}, got {value}")
-    return int(value)
+def _modes(model) -> list:
+    """Every submodule with its mode (`.training`), parents before children (`named_modules`, both tracks; a
+    stand-in model without submodules is its only one)."""
+    modules = [m for _, m in model.named_modules()] if hasattr(model, "named_modules") else [model]
+    return [(m, m.training) for m in modules]
 
 
-def check_loop_args(name: str, steps, epochs, log_every, checkpoint_path, checkpoint_every, eval_fn, eval_every):
+def _restore(modes: list) -> None:
+    for m, was in modes:  # `m.train` sets a whole subtree: its children come after it, and set their own mode
+        m.train(was)
+
+
+@contextmanager
+def eval_mode(model):
+    """Dropout off for the duration of the block (decoding and evaluation are deterministic); after it, error or
+    not, every submodule is back in its own mode (`model.train(was)` would put them all in the model's). A NumPy
+    model keeps its last forward's cache for backward: the block's (eval) forwards' is dropped, so that a backward
+    after it is refused ("before forward") instead of differentiating an eval forward (torch keeps no such cache)."""
+    modes = _modes(model)
+    model.eval()
+    try:
+        yield model
+    finally:
+        _restore(modes)
+        if "_cache" in vars(model):
+            model._cache = None
+
+
+# -- the loop -------------------------------------------------------------------------------------------------------
+
+
+def fit(model, batches, optimizer, *, train_step: Callable, train_step_accumulated: Callable, loss_class: type,
+        save_checkpoint: Callable, steps_taken: Callable, steps: int | None, epochs: int | None, warmup: int,
+        factor: float, d_model: int | None, lr_schedule, cooldown: int, label_smoothing: float | None, loss_fn,
+        clip_norm: float | None, accumulate: int, eval_fn, eval_every: int | None, checkpoint_path,
+        checkpoint_every: int | None, history: History | None, progress: bool, log_every: int,
+        desc: str) -> History:  # fmt: skip
+    """The training loop of both tracks (`tfm_numpy.train`, `tfm_torch.train` call it with their own pieces):
+    train `model` with `optimizer` for `steps` updates or `epochs` passes over `batches`; return the History.
+
+    The track's pieces: `train_step(model, batch, optimizer, loss_fn, lr, clip_norm)` and
+    `train_step_accumulated(model, micro_batches, ...)` (one update each, a `StepResult`), `loss_class` (its
+    CrossEntropyLoss), `save_checkpoint(path, model, optimizer, extra=...)`, `steps_taken(optimizer)` (the
+    optimizer's step count).
+
+    batches      a list of `Batch` (the same order each epoch) or a callable `epoch -> batches` (epoch from 0),
+                 e.g. `lambda e: make_batches(ids, 64, rng=e)`: a new, reproducible shuffle each epoch
+    steps / epochs  exactly one of them: the number of updates to make now, or of full passes
+    lr           at optimizer step s (counted by the optimizer, from 1, across resumed runs):
+                 `lr_schedule(s)` if given, else `noam_lr(s, d_model, warmup, factor)`, d_model from the model
+    cooldown     the lr of the last `cooldown` steps of this call is scaled down linearly, to 1/cooldown of the
+                 schedule's at the last step (0: none). Not in the paper (which averaged its last checkpoints
+                 instead): a short model trained at a still-high lr ends wherever its last noisy steps left it,
+                 and a cool-down lets it settle. Needs the number of steps in advance.
+    loss         `loss_fn` if given, else `CrossEntropyLoss(ignore_index=PAD_ID, label_smoothing)`
+                 (label_smoothing 0.1 by default, the paper's)
+    clip_norm    clip the global gradient norm to this value (None: no clipping)
+    accumulate   split each batch into this many micro-batches (`split_batch`) and accumulate their gradients
+                 (`train_step_accumulated`, weighted by tokens): the same updates, a fraction of the memory
+    eval_fn      `model -> dict` of metrics (e.g. `lambda m: evaluate(m, valid_pairs, ...).metrics()`), called
+                 every `eval_every` steps and after the last one; stored in `history.evals` with the step
+    checkpoint_path  save model, optimizer and history there (`save_checkpoint`) every `checkpoint_every`
+                 steps and after the last one
+    history      a History to continue (appended to); a new one if None
+    progress     show a tqdm progress bar on stderr (its postfix: the mean loss of the last `log_every`
+                 steps, the lr, the last evaluation); False for none
+
+    A non-finite loss or gradient stops training with FloatingPointError naming the step, before that step's
+    update: the model and optimizer are those of the step before. The model is in training mode (dropout on)
+    during the steps; after, every submodule is back in the mode it had.
+    """
+    name = "train"
+    steps, epochs, log_every, checkpoint_every, eval_every = _check_loop_args(
+        name, steps, epochs, log_every, checkpoint_path, checkpoint_every, eval_fn, eval_every
+    )
+    lr_schedule = _lr_schedule(name, model, lr_schedule, d_model, warmup, factor)
+    if loss_fn is None:
+        loss_fn = loss_class(ignore_index=PAD_ID, label_smoothing=0.1 if label_smoothing is None else label_smoothing)
+    elif label_smoothing is not None:
+        raise ValueError(f"{name}: give label_smoothing or loss_fn, not both (the loss_fn has its own)")
+    accumulate = check_size(name, "accumulate", accumulate)
+    total = _n_total_steps(batches, steps, epochs)
+    cooldown = check_cooldown(name, cooldown, total)
+    if history is None:
+        history = History()
+    elif not isinstance(history, History):
+        raise TypeError(f"{name}: history expected a History or None, got {type(history).__name__}")
+    tqdm = _import_tqdm(name) if progress else None
+
+    def one_step(batch: Batch, lr: float) -> StepResult:
+        if accumulate == 1:
+            return train_step(model, batch, optimizer, loss_fn, lr, clip_norm)
+        micro = split_batch(batch, min(accumulate, len(batch)))
+        return train_step_accumulated(model, micro, optimizer, loss_fn, lr, clip_norm)
+
+    def checkpoint(epoch: int, start: float | None) -> None:
+        record = history
+        if start is not None:  # mid-run: the seconds so far
+            record = History(**{**history.__dict__, "seconds": history.seconds + time.perf_counter() - start})
+        save_checkpoint(checkpoint_path, model, optimizer, extra={"epoch": int(epoch), "history": record.to_dict()})
+
+    modes = _modes(model)
+    model.train()
+    start = time.perf_counter()
+    bar = tqdm(total=total, desc=desc, unit="step", file=sys.stderr) if tqdm else None
+    done, epoch = 0, 0
+    try:
+        for epoch, batch in batch_stream(batches, steps, epochs, name):
+            step = steps_taken(optimizer) + 1
+            lr = float(lr_schedule(step)) * cooldown_scale(done + 1, total, cooldown)
+            try:
+                result = one_step(batch, lr)
+            except FloatingPointError as e:  # raised before the update: the model is as it was after step - 1
+                raise FloatingPointError(f"{name}: at step {step} (lr {lr:.3g}): {e}") from e
+            history.append(step, result, lr, batch.n_tokens)
+            done += 1
+            if eval_every is not None and done % eval_every == 0:
+                _evaluate_into(history, eval_fn, model, step)
+            if checkpoint_every is not None and done % checkpoint_every == 0:
+                checkpoint(epoch, start)
+            if bar is not None:
+                bar.update(1)
+                if done % log_every == 0:
+                    bar.set_postfix(_postfix(history, log_every), refresh=False)
+        if eval_fn is not None and (eval_every is None or done % eval_every != 0):
+            _evaluate_into(history, eval_fn, model, history.step[-1])
+        history.seconds += time.perf_counter() - start
+        if checkpoint_path is not None and (checkpoint_every is None or done % checkpoint_every != 0):
+            checkpoint(epoch, None)
+        if bar is not None:
+            bar.set_postfix(_postfix(history, log_every), refresh=True)
+    finally:
+        if bar is not None:
+            bar.close()
+        _restore(modes)
+    return history
+
+
+def _evaluate_into(history: History, eval_fn, model, step: int) -> None:
+    metrics = eval_fn(model)
+    if not isinstance(metrics, dict):
+        raise TypeError(f"train: eval_fn must return a dict of metrics, got {type(metrics).__name__}")
+    history.evals.append({"step": int(step), **metrics})
+    model.train()  # eval_fn may have switched to eval mode
+
+
+def _postfix(history: History, log_every: int) -> dict:
+    out = {"loss": f"{history.mean_loss(log_every):.4f}", "lr": f"{history.lr[-1]:.2e}"}
+    if history.evals:
+        out.update({k: f"{v:.4g}" for k, v in history.evals[-1].items() if k != "step" and isinstance(v, float)})
+    return out
+
+
+# -- the loop's arguments ---------------------------------------------------------------------------------------
+
+
+def _check_loop_args(name: str, steps, epochs, log_every, checkpoint_path, checkpoint_every, eval_fn, eval_every):
     """The loop's arguments, checked before any step: (steps, epochs, log_every, checkpoint_every, eval_every)."""
     if (steps is None) == (epochs is None):
         raise ValueError(f"{name}: give exactly one of steps and epochs, got steps={steps!r}, epochs={epochs!r}")
-    steps = check_int(name, "steps", steps, 1, allow_none=True)
-    epochs = check_int(name, "epochs", epochs, 1, allow_none=True)
-    log_every = check_int(name, "log_every", log_every, 1)
-    checkpoint_every = check_int(name, "checkpoint_every", checkpoint_every, 1, allow_none=True)
+    steps = None if steps is None else check_size(name, "steps", steps)
+    epochs = None if epochs is None else check_size(name, "epochs", epochs)
+    log_every = check_size(name, "log_every", log_every)
+    checkpoint_every = None if checkpoint_every is None else check_size(name, "checkpoint_every", checkpoint_every)
     if checkpoint_every is not None and checkpoint_path is None:
         raise ValueError(f"{name}: checkpoint_every={checkpoint_every} needs a checkpoint_path")
-    eval_every = check_int(name, "eval_every", eval_every, 1, allow_none=True)
+    eval_every = None if eval_every is None else check_size(name, "eval_every", eval_every)
     if eval_fn is not None and not callable(eval_fn):
         raise TypeError(f"{name}: eval_fn expected a callable model -> dict of metrics, got {type(eval_fn).__name__}")
     if eval_every is not None and eval_fn is None:
         raise ValueError(f"{name}: eval_every={eval_every} needs an eval_fn")
     return steps, epochs, log_every, checkpoint_every, eval_every
+
+
+def _lr_schedule(name: str, model, lr_schedule, d_model, warmup, factor) -> Callable[[int], float]:
+    """`lr_schedule`, or the paper's `noam_lr` with d_model from the model, checked now, not at the first step."""
+    if lr_schedule is None:
+        d_model = check_size(name, "d_model", getattr(model, "d_model", None) if d_model is None else d_model)
+        noam_lr(1, d_model, warmup, factor)  # checks warmup and factor
+        return lambda s: noam_lr(s, d_model, warmup, factor)
+    if not callable(lr_schedule):
+        raise TypeError(f"{name}: lr_schedule expected a callable step -> lr, got {type(lr_schedule).__name__}")
+    return lr_schedule
 
 
 def batch_stream(batches, steps: int | None, epochs: int | None, name: str = "train") -> Iterator[tuple[int, Batch]]:
@@ -192,35 +380,14 @@ def batch_stream(batches, steps: int | None, epochs: int | None, name: str = "tr
         epoch += 1
 
 
-def n_total_steps(batches, steps: int | None, epochs: int | None) -> int | None:
+def _n_total_steps(batches, steps: int | None, epochs: int | None) -> int | None:
     """The number of steps `batch_stream` will give, if it is known in advance (for the progress bar)."""
     if steps is not None:
         return steps
     return epochs * len(batches) if isinstance(batches, Sequence) else None
 
 
-def check_cooldown(name: str, cooldown, total: int | None) -> int:
-    """`cooldown` checked against the number of steps of the call (which must be known if cooldown > 0)."""
-    cooldown = check_int(name, "cooldown", cooldown, 0)
-    if cooldown and total is None:
-        raise ValueError(
-            f"{name}: cooldown={cooldown} needs the number of steps in advance: pass steps, or epochs with a list "
-            "of batches (not a callable)"
-        )
-    if cooldown > (total or 0):
-        raise ValueError(f"{name}: cooldown={cooldown} is longer than the {total} steps of this call")
-    return cooldown
-
-
-def cooldown_scale(k: int, total: int | None, cooldown: int) -> float:
-    """The factor on the scheduled lr at the k-th step of a call of `total` steps (k = 1 .. total): 1, then over
-    the last `cooldown` steps (total - k + 1) / cooldown, down to 1 / cooldown at the last step."""
-    if not cooldown:
-        return 1.0
-    return min(1.0, (total - k + 1) / cooldown)
-
-
-def import_tqdm(name: str):
+def _import_tqdm(name: str):
     try:
         from tqdm import tqdm
     except ImportError as e:  # an optional dependency (the book's extra)
@@ -265,21 +432,21 @@ class Evaluation:
 
 
 def evaluate_pairs(
+    model,
     decode: Callable[[np.ndarray, int], np.ndarray],
     pairs,
     src_vocab: Vocab,
     tgt_vocab: Vocab,
     *,
-    max_len: int,
+    max_len: int | None,
     batch_size: int,
     bleu: bool,
     bleu_tokenize: str | None,
     name: str = "evaluate",
 ) -> Evaluation:
     """Decode every source of `pairs` ((source text, reference text)) with `decode(src (B, S) int64, max_len)`
-    -> ids (B, L), in batches of similar source length; compare the decoded texts with the references."""
-    from .metrics import corpus_bleu, exact_match  # here: metrics imports sacrebleu lazily as well
-
+    -> ids (B, L) (a track's greedy decoding of `model`, in eval mode here), in batches of similar source length;
+    compare the decoded texts with the references. max_len None: the model's."""
     if not isinstance(src_vocab, Vocab) or not isinstance(tgt_vocab, Vocab):
         raise TypeError(f"{name}: src_vocab and tgt_vocab expected tfm_common.data.Vocab objects")
     pairs = list(pairs)
@@ -288,24 +455,25 @@ def evaluate_pairs(
     for i, p in enumerate(pairs):
         if not isinstance(p, (tuple, list)) or len(p) != 2:
             raise ValueError(f"{name}: pair {i} expected a (source, reference) pair of texts, got {p!r:.60}")
-    max_len = check_int(name, "max_len", max_len, 1)
-    batch_size = check_int(name, "batch_size", batch_size, 1)
+    max_len = check_size(name, "max_len", getattr(model, "max_len", None) if max_len is None else max_len)
+    batch_size = check_size(name, "batch_size", batch_size)
     sources = [s for s, _ in pairs]
     references = [r if isinstance(r, str) else " ".join(r) for _, r in pairs]  # word level: a list of tokens
     ids = [src_vocab.encode(s, add_eos=True) for s in sources]
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))  # similar lengths together: little padding
     hypotheses: list[str | None] = [None] * len(ids)
-    for start in range(0, len(order), batch_size):
-        idx = order[start : start + batch_size]
-        width = max(len(ids[i]) for i in idx)
-        src = np.full((len(idx), width), PAD_ID, dtype=np.int64)
-        for row, i in enumerate(idx):
-            src[row, : len(ids[i])] = ids[i]
-        out = np.asarray(decode(src, max_len))
-        if out.ndim != 2 or out.shape[0] != len(idx):
-            raise ValueError(f"{name}: the decoder returned shape {out.shape}, expected ({len(idx)}, L)")
-        for row, i in enumerate(idx):
-            hypotheses[i] = tgt_vocab.decode(out[row])  # drops BOS and PAD, stops at the first EOS
+    with eval_mode(model):
+        for start in range(0, len(order), batch_size):
+            idx = order[start : start + batch_size]
+            width = max(len(ids[i]) for i in idx)
+            src = np.full((len(idx), width), PAD_ID, dtype=np.int64)
+            for row, i in enumerate(idx):
+                src[row, : len(ids[i])] = ids[i]
+            out = np.asarray(decode(src, max_len))
+            if out.ndim != 2 or out.shape[0] != len(idx):
+                raise ValueError(f"{name}: the decoder returned shape {out.shape}, expected ({len(idx)}, L)")
+            for row, i in enumerate(idx):
+                hypotheses[i] = tgt_vocab.decode(out[row])  # drops BOS and PAD, stops at the first EOS
     em = float(exact_match(hypotheses, references))
     score = None
     if bleu:

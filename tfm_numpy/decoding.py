@@ -23,11 +23,10 @@ Conventions, the same in both tracks:
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import numpy as np
 
 from tfm_common.search import check_search_args, describe
+from tfm_common.training import eval_mode
 
 from .fast_decode import LeanStep, lean_fits
 from .functional import log_softmax
@@ -52,7 +51,7 @@ def greedy_decode(model, src: np.ndarray, bos_id: int, eos_id: int, max_len: int
     src (B, S) ids -> tokens (B, L), L <= max_len, without the bos; `model.pad_id` after each row's eos.
     """
     check_search_args("greedy_decode", model, bos_id, eos_id, max_len)
-    with _eval_mode(model):
+    with eval_mode(model):
         memory, src_mask = model.encode(src)  # once: every step reads the same memory
         B = memory.shape[0]
         tgt = np.full((B, 1), bos_id, dtype=np.int64)  # the decoder's input: bos, then every choice so far
@@ -103,7 +102,7 @@ def beam_search(
     (the search is not exhaustive).
     """
     K = check_search_args("beam_search", model, bos_id, eos_id, max_len, beam_size=beam_size, alpha=alpha)
-    with _eval_mode(model):
+    with eval_mode(model):
         memory, src_mask = model.encode(src)
         B, V = memory.shape[0], model.tgt_vocab_size
         if B == 0:  # an empty batch: what greedy_decode returns for it, (0, 1)
@@ -162,7 +161,7 @@ def sequence_scores(model, src: np.ndarray, tokens: np.ndarray, bos_id: int, eos
     if not isinstance(tokens, np.ndarray) or tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
         raise ValueError(f"sequence_scores: tokens expected a (B, L) integer array, got {describe(tokens, np.ndarray)}")
     check_indices("sequence_scores: tokens", tokens, model.tgt_vocab_size)  # every column, the last one too
-    with _eval_mode(model):
+    with eval_mode(model):
         tgt_in = np.concatenate([np.full((len(tokens), 1), bos_id, dtype=tokens.dtype), tokens[:, :-1]], axis=1)
         logp = log_softmax(model(src, tgt_in))  # (B, L, V)
     token_logp = np.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0].astype(np.float64)  # (B, L)
@@ -185,17 +184,3 @@ def _next_logits(model, tgt: np.ndarray, memory: np.ndarray, src_mask: np.ndarra
 
 
 # -- eval mode ----------------------------------------------------------------------------------------------------
-
-
-@contextmanager
-def _eval_mode(model):
-    """Dropout off for the duration (decoding is deterministic), the caller's mode restored after. The searches'
-    forwards overwrite the modules' caches, so the model's own is cleared after: a backward after a search is an
-    error ("before forward"), not the gradient of the search's last eval forward (as after GPT.generate)."""
-    was_training = model.training
-    model.eval()
-    try:
-        yield model
-    finally:
-        model.train(was_training)
-        model._cache = None

@@ -8,27 +8,22 @@ t + 1 from tokens 0 .. t: a causal mask (1, 1, T, T), no padding (training windo
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 
 import numpy as np
 
 from tfm_common.gpt_config import as_numpy_rng, check_gpt_config, check_sampling, sample_next
-from tfm_common.training import StepResult, check_finite_step, check_optimizer_of
+from tfm_common.training import eval_mode
 from tfm_common.validate import check_size
 
 from .attention import causal_mask, check_attention, use_attention
-from .functional import log_softmax
 from .layers import Dropout, Embedding, LayerNorm, Linear
-from .loss import CrossEntropyLoss
 from .modern import GroupedQueryAttention, RMSNorm, RotaryEmbedding, SwiGLUFeedForward, swiglu_hidden_size
 from .module import Module, ModuleList, as_rng, check_dtype, check_grad, check_indices
-from .optim import Adam, clip_grad_norm, set_lr
 from .positional import LearnedPositionalEmbedding, PositionalEncoding
 from .sublayers import PositionwiseFeedForward
-from .train import grad_norm
 from .transformer import xavier_uniform_
 
-__all__ = ["GPTBlock", "GPT", "lm_train_step", "lm_eval_loss"]
+__all__ = ["GPTBlock", "GPT"]
 
 
 def make_norm(norm: str, d_model: int, dtype) -> Module:
@@ -223,7 +218,7 @@ class GPT(Module):
                              f"positions, more than max_len={self.max_len}")  # fmt: skip
         gen = as_numpy_rng("GPT.generate", rng)
         out = tokens.astype(np.int64)
-        with _eval_mode(self):
+        with eval_mode(self):
             cache = {} if use_cache else None
             for i in range(n):
                 if cache is None:
@@ -257,49 +252,3 @@ class GPT(Module):
 
 _ARGS = ("vocab_size", "d_model", "n_heads", "d_ff", "n_layers", "max_len", "dropout", "norm", "positional",
          "activation", "n_kv_heads", "tie_output")  # fmt: skip
-
-
-@contextmanager
-def _eval_mode(model):
-    was_training = model.training
-    model.eval()
-    try:
-        yield model
-    finally:
-        model.train(was_training)
-
-
-# -- training and evaluation of a language model ------------------------------------------------------------------
-
-
-def lm_train_step(model: GPT, x, y, optimizer: Adam, loss_fn: CrossEntropyLoss, lr: float, clip_norm=None):
-    """One update on a batch of windows x (B, T) and their next tokens y (B, T): the causal LM loss, mean over all
-    B T positions, -1/(BT) sum log p(y[b, t] | x[b, :t + 1]). Returns (loss before the update, gradient norm
-    before clipping), as `train_step` does for the encoder-decoder."""
-    check_optimizer_of("lm_train_step", model.parameters(), optimizer.params)
-    model.zero_grad()
-    loss = loss_fn(model(x), y)
-    model.backward(loss_fn.backward())  # dL/dlogits (B, T, V) -> every parameter's .grad
-    norm = grad_norm(optimizer.params)
-    check_finite_step(float(loss), norm)  # before anything changes, as train_step: a NaN step is refused
-    if clip_norm is not None:
-        norm = clip_grad_norm(optimizer.params, clip_norm)
-    set_lr(optimizer, lr)
-    optimizer.step()
-    return StepResult(float(loss), norm)
-
-
-def lm_eval_loss(model: GPT, ids, block_size: int, batch_size: int = 32) -> tuple[float, np.ndarray]:
-    """The mean next-token loss (nats) over a token array cut into consecutive windows of block_size tokens (each
-    window starts a fresh context; the tail that does not fill a window is left out), in eval mode.
-    Returns (mean loss, the targets scored (n_windows, block_size)): with their byte count, bits per byte."""
-    ids = np.asarray(ids, dtype=np.int64)
-    n = (len(ids) - 1) // check_size("lm_eval_loss", "block_size", block_size)
-    x, y = ids[: n * block_size].reshape(n, block_size), ids[1 : n * block_size + 1].reshape(n, block_size)
-    total = 0.0
-    with _eval_mode(model):
-        for i in range(0, n, check_size("lm_eval_loss", "batch_size", batch_size)):
-            logp = log_softmax(model(x[i : i + batch_size]))  # (b, T, V)
-            total -= float(np.take_along_axis(logp, y[i : i + batch_size, :, None], axis=-1).sum(dtype=np.float64))
-    model._cache = None
-    return total / y.size, y

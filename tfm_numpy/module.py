@@ -8,6 +8,7 @@ Parameter names and their order follow `torch.nn.Module`, so the torch twin's
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import numbers
@@ -81,6 +82,19 @@ _CALLS = threading.local()  # .depth: how many entry points are running (0: the 
 
 def _depth() -> int:
     return getattr(_CALLS, "depth", 0)
+
+
+@contextlib.contextmanager
+def inner_calls():
+    """The calls made in this block are inner calls, as a model's calls to its layers: past the door (their arrays
+    are not copied, their arguments not checked). For a layer that calls its forward again on inputs that passed
+    the door once (`Recompute`)."""
+    depth = _depth()
+    _CALLS.depth = depth + 1
+    try:
+        yield
+    finally:
+        _CALLS.depth = depth
 
 
 def _at_the_door(method, kept: tuple[str, ...] | None):

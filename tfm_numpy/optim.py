@@ -1,4 +1,6 @@
-"""Optimization, NumPy track: Adam, the warm-up schedule of the paper, gradient clipping by global norm.
+"""Optimization, NumPy track: Adam, AdamW, gradient clipping by global norm, and `apply_update`, the tail of every
+step function (norm, finite check, clipping, lr, step). The paper's warm-up schedule `noam_lr` is
+`tfm_common.schedules.noam_lr`, the one function of both tracks.
 
 Adam (Kingma & Ba, 2015), as `torch.optim.Adam` computes it, for each parameter p with gradient g at step t:
 
@@ -21,18 +23,29 @@ Everything is updated in place and in the parameters' dtype (float32 stays float
 
 from __future__ import annotations
 
-import math
 import numbers
 from collections.abc import Iterable
 
 import numpy as np
 
+from tfm_common.schedules import noam_lr
+from tfm_common.training import check_finite_step
 from tfm_common.validate import check_adam_args as _check_hyper
 from tfm_common.validate import check_real_arg as _check_real
 
 from .module import Module, Parameter
 
-__all__ = ["Adam", "AdamW", "make_adam", "make_adamw", "set_lr", "noam_lr", "clip_grad_norm"]
+__all__ = [
+    "Adam",
+    "AdamW",
+    "make_adam",
+    "make_adamw",
+    "set_lr",
+    "noam_lr",
+    "grad_norm",
+    "clip_grad_norm",
+    "apply_update",
+]
 
 
 def _param_list(params, name: str) -> list[Parameter]:
@@ -58,7 +71,7 @@ class Adam:
     the step count, the hyperparameters and the moments `exp_avg` (m) and `exp_avg_sq` (v), named as torch does.
     """
 
-    decoupled = False  # weight decay as an L2 penalty in the gradient (AdamW sets True)
+    decoupled = False  # weight decay as an L2 penalty in the gradient (AdamW: True, and its own `_decayed_grad`)
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.98), eps: float = 1e-9, weight_decay: float = 0.0):
         name = type(self).__name__
@@ -88,6 +101,36 @@ class Adam:
         idiom for "no gradient", e.g. a frozen weight) is skipped, as torch skips it: its value and moments stay.
         The step count t is the optimizer's, shared by all parameters (torch counts per parameter; the two agree
         unless a parameter's gradient is None at some steps and not at others)."""
+        self._check_grads()  # every parameter, before any changes
+        self.step_count += 1
+        t = self.step_count
+        beta1, beta2 = self.betas
+        step_size = self.lr / (1 - beta1**t)  # lr with the first moment's bias correction
+        bias_correction2_sqrt = (1 - beta2**t) ** 0.5
+        for p, m, v in zip(self.params, self.exp_avg, self.exp_avg_sq, strict=True):
+            if p.grad is None:
+                continue
+            g = self._decayed_grad(p)  # Adam: g + weight_decay * p, an L2 penalty that goes through m and v
+            # The same formulas, written with out= and in-place operators into one scratch array `tmp`: no new
+            # arrays per step (for a large model each would be as big as the parameter). Python floats keep float32.
+            tmp = self._scratch(p.data)
+            _lerp_(m, g, 1 - beta1, tmp)  # m = beta1 m + (1 - beta1) g, computed as torch's lerp_
+            v *= beta2
+            np.multiply(g, 1 - beta2, out=tmp)
+            tmp *= g
+            v += tmp  # v = beta2 v + (1 - beta2) g^2
+            np.sqrt(v, out=tmp)
+            tmp /= bias_correction2_sqrt
+            tmp += self.eps  # tmp = denom = sqrt(v) / sqrt(1 - beta2^t) + eps
+            np.divide(m, tmp, out=tmp)
+            tmp *= step_size
+            p.data -= tmp  # p = p - step_size * m / denom
+
+    def _decayed_grad(self, p: Parameter) -> np.ndarray:
+        """The gradient that Adam normalizes: with weight decay as an L2 penalty, g + weight_decay * p."""
+        return p.grad + self.weight_decay * p.data if self.weight_decay != 0 else p.grad
+
+    def _check_grads(self) -> None:
         name = type(self).__name__
         for i, p in enumerate(self.params):  # check every parameter before changing any
             if p.grad is None:
@@ -106,33 +149,6 @@ class Adam:
                     f"{name}.step: params[{i}] is {p.data.dtype} but its moments are {self.exp_avg[i].dtype}: "
                     "make the optimizer after converting the model (astype/double/float)"
                 )
-        self.step_count += 1
-        t = self.step_count
-        beta1, beta2 = self.betas
-        step_size = self.lr / (1 - beta1**t)  # lr with the first moment's bias correction
-        bias_correction2_sqrt = (1 - beta2**t) ** 0.5
-        for p, m, v in zip(self.params, self.exp_avg, self.exp_avg_sq, strict=True):
-            g = p.grad
-            if g is None:
-                continue
-            if self.weight_decay != 0 and self.decoupled:
-                p.data *= 1 - self.lr * self.weight_decay  # AdamW: shrink the weight, leave the gradient alone
-            elif self.weight_decay != 0:
-                g = g + self.weight_decay * p.data  # Adam: an L2 penalty, which then goes through m and v
-            # The same formulas, written with out= and in-place operators into one scratch array `tmp`: no new
-            # arrays per step (for a large model each would be as big as the parameter). Python floats keep float32.
-            tmp = self._scratch(p.data)
-            _lerp_(m, g, 1 - beta1, tmp)  # m = beta1 m + (1 - beta1) g, computed as torch's lerp_
-            v *= beta2
-            np.multiply(g, 1 - beta2, out=tmp)
-            tmp *= g
-            v += tmp  # v = beta2 v + (1 - beta2) g^2
-            np.sqrt(v, out=tmp)
-            tmp /= bias_correction2_sqrt
-            tmp += self.eps  # tmp = denom = sqrt(v) / sqrt(1 - beta2^t) + eps
-            np.divide(m, tmp, out=tmp)
-            tmp *= step_size
-            p.data -= tmp  # p = p - step_size * m / denom
 
     def _scratch(self, like: np.ndarray) -> np.ndarray:
         """A scratch array shaped like `like`: a view of one flat buffer, as large as the largest parameter."""
@@ -201,6 +217,11 @@ class AdamW(Adam):
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.98), eps: float = 1e-9, weight_decay: float = 0.01):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
 
+    def _decayed_grad(self, p: Parameter) -> np.ndarray:
+        if self.weight_decay != 0:
+            p.data *= 1 - self.lr * self.weight_decay  # decoupled: shrink the weight, leave the gradient alone
+        return p.grad
+
 
 def _lerp_(start: np.ndarray, end: np.ndarray, weight: float, tmp: np.ndarray) -> None:
     """start += weight * (end - start) in place, with the two formulas of torch.lerp (exact at both ends);
@@ -229,30 +250,6 @@ def set_lr(optimizer: Adam, lr: float) -> None:
     optimizer.lr = lr
 
 
-def noam_lr(step: int, d_model: int, warmup: int, factor: float = 1.0) -> float:
-    """The learning rate of "Attention Is All You Need" (Vaswani et al., 2017, section 5.3, equation 3):
-
-        lr = factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)
-
-    It rises linearly for `warmup` steps, peaks at step = warmup with d_model^-0.5 * warmup^-0.5, then decays as
-    step^-0.5. `step` counts updates from 1 (the number of the update about to be made, as Adam's t); step 0
-    is an error, not a silent lr of 0. Pure Python math: the torch track has the identical function.
-    """
-    if isinstance(step, bool) or not isinstance(step, numbers.Integral):
-        raise TypeError(f"noam_lr: step expected an int, got {type(step).__name__}")
-    if step < 1:
-        raise ValueError(f"noam_lr: step counts from 1 (the first update), got {step}")
-    for arg, value in (("d_model", d_model), ("warmup", warmup)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise TypeError(f"noam_lr: {arg} expected an int, got {type(value).__name__}")
-        if value < 1:
-            raise ValueError(f"noam_lr: {arg} must be >= 1, got {value}")
-    if isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not factor > 0 or math.isinf(factor):
-        raise ValueError(f"noam_lr: factor must be a positive finite float, got {factor!r}")
-    step, d_model, warmup = int(step), int(d_model), int(warmup)
-    return float(factor) * d_model**-0.5 * min(step**-0.5, step * warmup**-1.5)
-
-
 def clip_grad_norm(params: Iterable[Parameter], max_norm: float) -> float:
     """Scale every gradient in place so that their global L2 norm is at most `max_norm`; return the norm before.
 
@@ -260,10 +257,7 @@ def clip_grad_norm(params: Iterable[Parameter], max_norm: float) -> float:
     as one vector); each g is multiplied by min(max_norm / (total + 1e-6), 1). Below the threshold the
     gradients are untouched.
     """
-    params = [p for p in _param_list(params, "clip_grad_norm") if p.grad is not None]  # None: no gradient (torch)
-    max_norm = _check_real("clip_grad_norm", "max_norm", max_norm, 0.0)
-    if not params:
-        return 0.0
+    params, max_norm = _check_clip(params, max_norm)  # the parameters that have a gradient (None: none, as torch)
     norms = np.array([np.sqrt(np.sum(p.grad * p.grad)) for p in params])
     total = float(np.sqrt(np.sum(norms * norms)))
     coef = max_norm / (total + 1e-6)
@@ -271,3 +265,29 @@ def clip_grad_norm(params: Iterable[Parameter], max_norm: float) -> float:
         for p in params:
             p.grad *= coef
     return total
+
+
+def _check_clip(params, max_norm) -> tuple[list[Parameter], float]:
+    params = [p for p in _param_list(params, "clip_grad_norm") if p.grad is not None]
+    return params, _check_real("clip_grad_norm", "max_norm", max_norm, 0.0)
+
+
+def grad_norm(params) -> float:
+    """The global L2 norm of the gradients, ||(||g_1||, ..., ||g_n||)||_2, as `clip_grad_norm` measures it."""
+    params = params.parameters() if isinstance(params, Module) else list(params)
+    norms = np.array([np.sqrt(np.sum(p.grad * p.grad)) for p in params if p.grad is not None])
+    return float(np.sqrt(np.sum(norms * norms)))
+
+
+def apply_update(name: str, optimizer: Adam, loss: float, lr: float, clip_norm: float | None) -> float:
+    """The tail of every step function (`name` is the caller's, for the error): the gradient norm, refused if it or
+    the loss is not finite (before anything changes: clipping, the lr, Adam's state and step count), the clipping
+    to `clip_norm` (None: none), the lr, Adam's step. Returns the gradient norm before clipping."""
+    params = optimizer.params
+    norm = grad_norm(params)
+    check_finite_step(name, loss, norm)
+    if clip_norm is not None:
+        norm = clip_grad_norm(params, clip_norm)  # the same norm, measured as it clips
+    set_lr(optimizer, lr)
+    optimizer.step()
+    return norm

@@ -19,18 +19,18 @@ for bit; the activations inside the layer live only while its backward runs.
 from __future__ import annotations
 
 import contextlib
-from typing import NamedTuple
 
 import numpy as np
 
 from tfm_common.data import Batch
 from tfm_common.parallel import check_micro_batches, micro_weights, run_processes, split_batch
-from tfm_common.training import StepResult, check_finite_step, check_optimizer_of
-from tfm_common.validate import check_choice, check_flag, check_real, check_size
+from tfm_common.schedules import LossScaler
+from tfm_common.training import HALF, MixedStepResult, StepResult, check_finite_step, check_step
+from tfm_common.validate import check_choice, check_flag, check_size
 
 from .loss import CrossEntropyLoss
-from .module import _CALLS, Module, ModuleList, Parameter
-from .optim import Adam, clip_grad_norm, set_lr
+from .module import Module, ModuleList, Parameter, inner_calls
+from .optim import Adam, apply_update, grad_norm
 
 __all__ = [
     "split_batch",
@@ -63,25 +63,15 @@ def train_step_accumulated(
     """One update from the gradients of several micro-batches (e.g. `split_batch(batch, k)`), accumulated in
     `.grad`: with normalize="tokens" the update of `train_step` on their union. Returns the token-weighted loss
     and the gradient norm before clipping, as `train_step` does. Memory: one micro-batch's activations at a time."""
-    name = "train_step_accumulated"
-    micro_batches = check_micro_batches(name, micro_batches)
-    weights = micro_weights(micro_batches, normalize)
-    check_optimizer_of(name, model.parameters(), optimizer.params)
+    check_step("train_step_accumulated", model.parameters(), optimizer.params, micro_batches=micro_batches)
+    weights = micro_weights(micro_batches, normalize)  # n_i / N (normalize="tokens"): its share of the tokens
     model.zero_grad()
     loss = 0.0
     for batch, w in zip(micro_batches, weights, strict=True):
         logits = model(batch.src, batch.tgt_in)  # (b, T_i, V)
         loss += w * float(loss_fn(logits, batch.tgt_out))
         model.backward(loss_fn.backward(w))  # adds w * dL_i/dtheta into every .grad
-    from .train import grad_norm  # here: train imports this module for its `accumulate` option
-
-    params = optimizer.params
-    norm = grad_norm(params)
-    check_finite_step(loss, norm)
-    if clip_norm is not None:
-        norm = clip_grad_norm(params, clip_norm)
-    set_lr(optimizer, lr)
-    optimizer.step()
+    norm = apply_update("train_step_accumulated", optimizer, loss, lr, clip_norm)  # norm, clipping, lr, Adam's step
     return StepResult(loss, norm)
 
 
@@ -103,12 +93,10 @@ def _replay(saved: list[tuple[np.random.Generator, dict]]):
     now = [g.bit_generator.state for g, _ in saved]
     for g, state in saved:
         g.bit_generator.state = state
-    depth = getattr(_CALLS, "depth", 0)
-    _CALLS.depth = depth + 1  # the saved inputs were copied at the first forward: do not copy them again
     try:
-        yield
+        with inner_calls():  # the saved inputs were copied at the first forward: do not copy them again
+            yield
     finally:
-        _CALLS.depth = depth
         for (g, _), state in zip(saved, now, strict=True):
             g.bit_generator.state = state
 
@@ -381,9 +369,6 @@ def train_data_parallel(
 
 
 # -- mixed precision -------------------------------------------------------------------------------------------------
-HALF = ("float16", "bfloat16")
-
-
 def to_half(x: np.ndarray, half: str) -> np.ndarray:
     """Round a float32/float64 array to the nearest float16 or bfloat16 value (ties to even), returned as float32:
     half-precision *storage*, float32 arithmetic. float16 overflows to +-inf beyond 65504 and loses values below
@@ -398,40 +383,6 @@ def to_half(x: np.ndarray, half: str) -> np.ndarray:
     rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000  # round to nearest even on the top 16 bits
     out = rounded.astype(np.uint32).view(np.float32)
     return np.where(np.isnan(x32), x32, out).reshape(x32.shape)
-
-
-class LossScaler:
-    """Dynamic loss scaling (Micikevicius et al., 2018), the rule of `torch.amp.GradScaler`: multiply the loss by
-    `scale` before backward so that small gradients survive in float16; divide the gradients by it after. If any
-    gradient overflowed (inf or nan), skip the step and halve the scale (`backoff`); after `growth_interval`
-    steps in a row without overflow, double it (`growth`)."""
-
-    def __init__(self, init_scale: float = 2.0**16, growth: float = 2.0, backoff: float = 0.5,
-                 growth_interval: int = 2000):  # fmt: skip
-        self.scale = check_real("LossScaler", "init_scale", init_scale, 0.0)
-        self.growth = check_real("LossScaler", "growth", growth, 1.0)
-        self.backoff = check_real("LossScaler", "backoff", backoff, 0.0, 1.0)
-        self.growth_interval = check_size("LossScaler", "growth_interval", growth_interval)
-        self.good_steps = 0  # steps since the last overflow or growth
-        self.overflows = 0  # steps skipped so far
-
-    def update(self, found_inf: bool) -> None:
-        if found_inf:
-            self.scale *= self.backoff
-            self.good_steps = 0
-            self.overflows += 1
-            return
-        self.good_steps += 1
-        if self.good_steps == self.growth_interval:
-            self.scale *= self.growth
-            self.good_steps = 0
-
-
-class MixedStepResult(NamedTuple):
-    loss: float
-    grad_norm: float  # of the unscaled gradients; inf when the step was skipped
-    skipped: bool
-    scale: float  # the scale used for this step
 
 
 def train_step_mixed(
@@ -449,11 +400,8 @@ def train_step_mixed(
     in `half` (scaled by `scaler.scale`, so that small ones do not flush to zero); their unscaling, the overflow
     check and the Adam step are float32. An overflow skips the step (the model and optimizer do not change) and
     backs the scale off. Emulated: the arithmetic inside the layers stays float32."""
-    if model.param_dtype != np.float32:
-        raise TypeError(f"train_step_mixed: model expected float32 master weights, got {model.param_dtype}")
-    check_choice("train_step_mixed", "half", half, HALF)
     params = optimizer.params
-    check_optimizer_of("train_step_mixed", model.parameters(), params)
+    _check_mixed(model, params, half)
     scale = 1.0 if scaler is None else scaler.scale
     master = [p.data for p in params]
     model.zero_grad()
@@ -470,18 +418,20 @@ def train_step_mixed(
     with np.errstate(over="ignore", invalid="ignore"):
         for p in params:  # gradients stored in half, unscaled in float32
             p.grad = to_half(p.grad, half) / np.float32(scale)
-        from .train import grad_norm
-
         norm = grad_norm(params)
     found_inf = not np.isfinite(norm)
     if scaler is not None:
         scaler.update(found_inf)
-    if found_inf:
+    if found_inf:  # skipped: the model and the optimizer stay as they were
         if scaler is None:
-            check_finite_step(loss, norm)
+            check_finite_step("train_step_mixed", loss, norm)
         return MixedStepResult(loss, norm, True, scale)
-    if clip_norm is not None:
-        clip_grad_norm(params, clip_norm)
-    set_lr(optimizer, lr)
-    optimizer.step()
+    apply_update("train_step_mixed", optimizer, loss, lr, clip_norm)  # clipping, lr, Adam's step (float32)
     return MixedStepResult(loss, norm, False, scale)
+
+
+def _check_mixed(model: Module, params: list[Parameter], half: str) -> None:
+    if model.param_dtype != np.float32:
+        raise TypeError(f"train_step_mixed: model expected float32 master weights, got {model.param_dtype}")
+    check_choice("train_step_mixed", "half", half, HALF)
+    check_step("train_step_mixed", model.parameters(), params)

@@ -8,11 +8,11 @@ Tokens are int64 tensors on the model's device; the same weights give the same t
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 
 import torch
 
 from tfm_common.search import check_search_args, describe
+from tfm_common.training import eval_mode
 
 from .functional import log_softmax
 from .kv_cache import reorder_cache
@@ -38,7 +38,7 @@ def greedy_decode(model, src: torch.Tensor, bos_id: int, eos_id: int, max_len: i
     src (B, S) ids -> tokens (B, L), L <= max_len, without the bos; `model.pad_id` after each row's eos.
     """
     check_search_args("greedy_decode", model, bos_id, eos_id, max_len)
-    with _eval_mode(model):
+    with eval_mode(model):
         memory, src_mask = model.encode(src)  # once: every step reads the same memory
         B = memory.shape[0]
         tgt = torch.full((B, 1), bos_id, dtype=torch.long, device=memory.device)  # bos, then every choice so far
@@ -74,7 +74,7 @@ def beam_search(
     at least the best live beam's log p / length_penalty(t, alpha): exact for alpha = 0, a heuristic bound for
     alpha > 0). Returns tokens (B, L), and with return_scores=True also scores (B,) float64."""
     K = check_search_args("beam_search", model, bos_id, eos_id, max_len, beam_size=beam_size, alpha=alpha)
-    with _eval_mode(model):
+    with eval_mode(model):
         memory, src_mask = model.encode(src)
         B, V, dev = memory.shape[0], model.tgt_vocab_size, memory.device
         if B == 0:  # an empty batch: what greedy_decode returns for it, (0, 1)
@@ -140,7 +140,7 @@ def sequence_scores(model, src: torch.Tensor, tokens: torch.Tensor, bos_id: int,
             f"sequence_scores: tokens expected a (B, L) integer tensor, got {describe(tokens, torch.Tensor)}"
         )
     check_indices("sequence_scores: tokens", tokens, model.tgt_vocab_size)  # every column, the last one too
-    with _eval_mode(model):
+    with eval_mode(model):
         bos = torch.full((len(tokens), 1), bos_id, dtype=tokens.dtype, device=tokens.device)
         logp = log_softmax(model(src, torch.cat([bos, tokens[:, :-1]], dim=1)))  # (B, L, V)
     token_logp = logp.gather(-1, tokens[..., None].long())[..., 0].to(torch.float64)  # (B, L)
@@ -157,14 +157,3 @@ def _next_logits(model, tgt, memory, src_mask, cache: dict | None) -> torch.Tens
 
 
 # -- eval mode ----------------------------------------------------------------------------------------------------
-
-
-@contextmanager
-def _eval_mode(model):
-    """Dropout off for the duration, the caller's mode restored after."""
-    was_training = model.training
-    model.eval()
-    try:
-        yield model
-    finally:
-        model.train(was_training)

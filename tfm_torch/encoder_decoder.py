@@ -36,12 +36,6 @@ def _check_x(name: str, x, norm: LayerNorm) -> None:
         raise ValueError(f"{name}: expected shape (B, T, d_model), got {tuple(x.shape)}")
 
 
-class _Counted(Module):
-    def num_parameters(self) -> int:
-        """Unique parameters (a tied one counted once), as tfm_numpy's Module.num_parameters."""
-        return sum(p.numel() for p in self.parameters())
-
-
 def _check_options(owner: str, norm_first: bool, dropout_place, ff_dropout) -> tuple[str, bool]:
     """The layer's pitfall options (as tfm_numpy's): residual dropout place, FFN hidden dropout."""
     dropout_place = check_choice(owner, "dropout_place", dropout_place, DROPOUT_PLACES)
@@ -50,7 +44,7 @@ def _check_options(owner: str, norm_first: bool, dropout_place, ff_dropout) -> t
     return dropout_place, check_flag(owner, "ff_dropout", ff_dropout)
 
 
-class _Residual(_Counted):
+class _Residual(Module):
     """Where a layer's residual dropout goes: on the sublayer's output (`_sub`) or after the LayerNorm (`_post`)."""
 
     def _sub(self, drop: Dropout, y: torch.Tensor) -> torch.Tensor:
@@ -217,7 +211,7 @@ class DecoderLayer(_Residual):
         return f"norm_first={self.norm_first}{self._options_repr()}"
 
 
-class Encoder(_Counted):
+class Encoder(Module):
     """`n_layers` EncoderLayers (`layers.0`, ...), then `norm` if final_norm (None: as norm_first)."""
 
     def __init__(
@@ -255,7 +249,7 @@ class Encoder(_Counted):
         return [layer.self_attn.attn_weights for layer in self.layers]
 
 
-class Decoder(_Counted):
+class Decoder(Module):
     """`n_layers` DecoderLayers, every one attending to the same `memory`, then `norm` if final_norm."""
 
     def __init__(

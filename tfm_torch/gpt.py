@@ -4,28 +4,23 @@ GPT, sampling with a key/value cache); autograd does the backward."""
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 
-import numpy as np
 import torch
 from torch import nn
 
 from tfm_common.gpt_config import as_numpy_rng, check_gpt_config, check_sampling, sample_next
-from tfm_common.training import StepResult, check_finite_step, check_optimizer_of
+from tfm_common.training import eval_mode
 from tfm_common.validate import check_size
 
 from .attention import causal_mask, check_attention, use_attention
-from .functional import log_softmax
 from .layers import Dropout, Embedding, LayerNorm, Linear
 from .modern import GroupedQueryAttention, RMSNorm, RotaryEmbedding, SwiGLUFeedForward, swiglu_hidden_size
 from .module import Module, as_generator, check_dtype, check_indices
-from .optim import clip_grad_norm, set_lr
 from .positional import LearnedPositionalEmbedding, PositionalEncoding, sinusoidal_positional_encoding
 from .sublayers import PositionwiseFeedForward
-from .train import grad_norm
 from .transformer import to_reference_state_dict, xavier_uniform_
 
-__all__ = ["GPTBlock", "GPT", "lm_train_step", "lm_eval_loss", "ReferenceGPT", "to_torch_nn_gpt"]
+__all__ = ["GPTBlock", "GPT", "ReferenceGPT", "to_torch_nn_gpt"]
 
 
 def make_norm(norm: str, d_model: int, dtype) -> nn.Module:
@@ -123,10 +118,6 @@ class GPT(Module):
                 xavier_uniform_(p, g)
         use_attention(self, attention, block_size)  # how every block computes its heads (not a weight)
 
-    def num_parameters(self) -> int:
-        """Unique parameters (a tied one counted once), as tfm_numpy's Module.num_parameters."""
-        return sum(p.numel() for p in self.parameters())
-
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         T = self._check_tokens("tokens", tokens, 0)
         x = self._embed(tokens, 0)
@@ -166,7 +157,7 @@ class GPT(Module):
                              f"positions, more than max_len={self.max_len}")  # fmt: skip
         gen = as_numpy_rng("GPT.generate", rng)
         out = tokens.to(torch.long)
-        with _eval_mode(self):
+        with eval_mode(self):
             cache = {} if use_cache else None
             for i in range(n):
                 if cache is None:
@@ -198,51 +189,6 @@ class GPT(Module):
 
 _ARGS = ("vocab_size", "d_model", "n_heads", "d_ff", "n_layers", "max_len", "dropout", "norm", "positional",
          "activation", "n_kv_heads", "tie_output")  # fmt: skip
-
-
-@contextmanager
-def _eval_mode(model):
-    was_training = model.training
-    model.eval()
-    try:
-        yield model
-    finally:
-        model.train(was_training)
-
-
-def lm_train_step(model: GPT, x, y, optimizer: torch.optim.Optimizer, loss_fn, lr: float, clip_norm=None):
-    """One update on windows x (B, T) and next tokens y (B, T) (NumPy arrays or tensors), as tfm_numpy's.
-    Returns (loss before the update, gradient norm before clipping)."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    check_optimizer_of("lm_train_step", model.parameters(), params)
-    device = next(model.parameters()).device
-    x, y = (torch.as_tensor(a).to(device) for a in (x, y))
-    model.zero_grad(set_to_none=True)
-    loss = loss_fn(model(x), y)
-    loss.backward()
-    norm = grad_norm(params)
-    check_finite_step(loss.item(), norm)  # before anything changes, as train_step: a NaN step is refused
-    if clip_norm is not None:
-        norm = clip_grad_norm(params, clip_norm)
-    set_lr(optimizer, lr)
-    optimizer.step()
-    return StepResult(loss.item(), norm)
-
-
-@torch.no_grad()
-def lm_eval_loss(model: GPT, ids, block_size: int, batch_size: int = 32) -> tuple[float, np.ndarray]:
-    """Mean next-token loss (nats) over consecutive windows of a token array, as tfm_numpy's; returns (loss, the
-    targets scored (n_windows, block_size) as a NumPy array)."""
-    ids = np.asarray(ids, dtype=np.int64)
-    n = (len(ids) - 1) // check_size("lm_eval_loss", "block_size", block_size)
-    x, y = ids[: n * block_size].reshape(n, block_size), ids[1 : n * block_size + 1].reshape(n, block_size)
-    device, total = next(model.parameters()).device, 0.0
-    with _eval_mode(model):
-        for i in range(0, n, check_size("lm_eval_loss", "batch_size", batch_size)):
-            xb, yb = (torch.from_numpy(a[i : i + batch_size]).to(device) for a in (x, y))
-            logp = log_softmax(model(xb))  # (b, T, V)
-            total -= logp.gather(-1, yb[..., None]).double().sum().item()
-    return total / y.size, y
 
 
 # -- a GPT from torch.nn's own layers: what a user would build, the reference of the benchmark ---------------------

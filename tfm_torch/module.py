@@ -151,3 +151,7 @@ class Module(torch.nn.Module):
                 got = tuple(value.shape) if hasattr(value, "shape") else type(value).__name__
                 raise ValueError(f"load_state_dict: '{name}' expected shape {tuple(own[name].shape)}, got {got}")
         return super().load_state_dict(state, strict=strict, assign=assign)
+
+    def num_parameters(self) -> int:
+        """Unique parameters (a tied one counted once), as tfm_numpy's Module.num_parameters."""
+        return sum(p.numel() for p in self.parameters())

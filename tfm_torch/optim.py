@@ -2,8 +2,11 @@
 
 - `Adam`: `torch.optim.Adam` with the paper's defaults (betas = (0.9, 0.98), eps = 1e-9, Vaswani et al., 2017,
   section 5.3) and, as the NumPy `Adam`, an `lr` you can set between steps and a `step_count`.
-- `noam_lr`: the warm-up schedule, the very same pure-Python function as in the NumPy track.
-- `clip_grad_norm`: `torch.nn.utils.clip_grad_norm_`, returning a Python float as the NumPy track does.
+- `noam_lr`: the warm-up schedule, `tfm_common.schedules.noam_lr`, the very same function as in the NumPy track.
+- `grad_norm`, `clip_grad_norm`: the global gradient norm, and `torch.nn.utils.clip_grad_norm_`, returning a
+  Python float as the NumPy track does.
+- `apply_update`: the tail of every step function (norm, finite check, clipping, lr, step), as tfm_numpy's.
+- `optimizer_params(optimizer)`: the parameters a torch optimizer updates, in order.
 - `AdamW`: `torch.optim.AdamW` (decoupled weight decay, Loshchilov & Hutter, 2019) with the same constructor and
   the same `lr` / `step_count` as our `Adam`; weight_decay defaults to torch's 0.01.
 - `make_adam(model, ...)`, `make_adamw(model, ...)`, `set_lr(optimizer, lr)`: so that a training loop reads the
@@ -22,9 +25,22 @@ import numbers
 import torch
 from torch import nn
 
+from tfm_common.schedules import noam_lr
+from tfm_common.training import check_finite_step
 from tfm_common.validate import check_adam_args
 
-__all__ = ["Adam", "AdamW", "make_adam", "make_adamw", "set_lr", "noam_lr", "clip_grad_norm"]
+__all__ = [
+    "Adam",
+    "AdamW",
+    "make_adam",
+    "make_adamw",
+    "set_lr",
+    "noam_lr",
+    "optimizer_params",
+    "grad_norm",
+    "clip_grad_norm",
+    "apply_update",
+]
 
 
 class _LrAndSteps:
@@ -88,30 +104,6 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = float(lr)
 
 
-def noam_lr(step: int, d_model: int, warmup: int, factor: float = 1.0) -> float:
-    """The learning rate of "Attention Is All You Need" (Vaswani et al., 2017, section 5.3, equation 3):
-
-        lr = factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)
-
-    It rises linearly for `warmup` steps, peaks at step = warmup with d_model^-0.5 * warmup^-0.5, then decays as
-    step^-0.5. `step` counts updates from 1 (the number of the update about to be made, as Adam's t); step 0
-    is an error, not a silent lr of 0. Pure Python math: the NumPy track has the identical function.
-    """
-    if isinstance(step, bool) or not isinstance(step, numbers.Integral):
-        raise TypeError(f"noam_lr: step expected an int, got {type(step).__name__}")
-    if step < 1:
-        raise ValueError(f"noam_lr: step counts from 1 (the first update), got {step}")
-    for arg, value in (("d_model", d_model), ("warmup", warmup)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise TypeError(f"noam_lr: {arg} expected an int, got {type(value).__name__}")
-        if value < 1:
-            raise ValueError(f"noam_lr: {arg} must be >= 1, got {value}")
-    if isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not factor > 0 or math.isinf(factor):
-        raise ValueError(f"noam_lr: factor must be a positive finite float, got {factor!r}")
-    step, d_model, warmup = int(step), int(d_model), int(warmup)
-    return float(factor) * d_model**-0.5 * min(step**-0.5, step * warmup**-1.5)
-
-
 def clip_grad_norm(params, max_norm: float) -> float:
     """`torch.nn.utils.clip_grad_norm_(params, max_norm)`: scale the gradients in place so that their global L2
     norm is at most `max_norm` (each multiplied by min(max_norm / (total + 1e-6), 1)); return the norm before."""
@@ -120,3 +112,30 @@ def clip_grad_norm(params, max_norm: float) -> float:
     if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real) or not max_norm >= 0:
         raise ValueError(f"clip_grad_norm: max_norm must be a float >= 0, got {max_norm!r}")
     return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
+
+def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The parameters `optimizer` updates, in the order of its param groups (tfm_numpy's `optimizer.params`)."""
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def grad_norm(params) -> float:
+    """The global L2 norm of the gradients, ||(||g_1||, ..., ||g_n||)||_2, as `clip_grad_norm` measures it
+    (parameters without a gradient count as zero)."""
+    params = params.parameters() if isinstance(params, nn.Module) else params
+    norms = [torch.linalg.vector_norm(p.grad) for p in params if p.grad is not None]
+    return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
+
+
+def apply_update(name: str, optimizer: torch.optim.Optimizer, loss: float, lr: float, clip_norm: float | None) -> float:
+    """The tail of every step function, as tfm_numpy's: the gradient norm, refused (FloatingPointError naming
+    `name`) if it or the loss is not finite, before anything changes; the clipping to `clip_norm` (None: none),
+    the lr, the optimizer's step. Returns the gradient norm before clipping."""
+    params = optimizer_params(optimizer)
+    norm = grad_norm(params)
+    check_finite_step(name, loss, norm)
+    if clip_norm is not None:
+        norm = clip_grad_norm(params, clip_norm)  # the same norm, measured as it clips
+    set_lr(optimizer, lr)
+    optimizer.step()
+    return norm

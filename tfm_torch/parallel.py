@@ -11,20 +11,20 @@ from __future__ import annotations
 import contextlib
 import math
 import pickle
-from typing import NamedTuple
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from tfm_common.data import Batch, make_batches
-from tfm_common.parallel import check_micro_batches, micro_weights, run_processes, split_batch
-from tfm_common.training import StepResult, check_finite_step, check_optimizer_of
-from tfm_common.validate import check_choice, check_flag, check_real, check_size
+from tfm_common.parallel import micro_weights, run_processes, split_batch
+from tfm_common.schedules import LossScaler
+from tfm_common.training import HALF, MixedStepResult, StepResult, check_finite_step, check_step
+from tfm_common.validate import check_choice, check_flag, check_size
 
 from .loss import CrossEntropyLoss
 from .module import Module
-from .optim import clip_grad_norm, set_lr
+from .optim import apply_update, grad_norm, make_adam, optimizer_params
 
 __all__ = [
     "split_batch",
@@ -54,11 +54,8 @@ def train_step_accumulated(
 ) -> StepResult:
     """One update from the gradients of several micro-batches accumulated in `.grad` (autograd adds each backward
     into it): with normalize="tokens" the update of `train_step` on their union."""
-    from .train import _params, grad_norm
-
-    micro_batches = check_micro_batches("train_step_accumulated", micro_batches)
-    weights = micro_weights(micro_batches, normalize)
-    check_optimizer_of("train_step_accumulated", model.parameters(), _params(optimizer))
+    check_step("train_step_accumulated", model.parameters(), optimizer_params(optimizer), micro_batches=micro_batches)
+    weights = micro_weights(micro_batches, normalize)  # n_i / N (normalize="tokens"): its share of the tokens
     device = next(model.parameters()).device
     model.zero_grad(set_to_none=True)
     loss = 0.0
@@ -67,13 +64,7 @@ def train_step_accumulated(
         micro_loss = loss_fn(model(src, tgt_in), tgt_out)
         (micro_loss * w).backward()  # adds w * dL_i/dtheta into every .grad
         loss += w * micro_loss.item()
-    params = _params(optimizer)
-    norm = grad_norm(params)
-    check_finite_step(loss, norm)
-    if clip_norm is not None:
-        norm = clip_grad_norm(params, clip_norm)
-    set_lr(optimizer, lr)
-    optimizer.step()
+    norm = apply_update("train_step_accumulated", optimizer, loss, lr, clip_norm)  # norm, clipping, lr, the step
     return StepResult(loss, norm)
 
 
@@ -196,9 +187,6 @@ def _ddp_worker(rank, world, store_path, model_bytes, pairs_ids, batch_size, ste
     from torch.utils.data import DataLoader
     from torch.utils.data.distributed import DistributedSampler
 
-    from .loss import CrossEntropyLoss
-    from .optim import make_adam
-
     torch.set_num_threads(1)
     model = pickle.loads(model_bytes)
     # A FileStore for the rendezvous: torch's TCPStore listens on every interface; gloo itself on loopback only.
@@ -297,7 +285,6 @@ def train_ddp(
 
 
 # -- mixed precision -------------------------------------------------------------------------------------------------
-HALF = ("float16", "bfloat16")
 _HALF_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -306,39 +293,6 @@ def to_half(x: torch.Tensor, half: str) -> torch.Tensor:
     the storage of `tfm_numpy.to_half`, whose bfloat16 rounding is written out by hand."""
     check_choice("to_half", "half", half, HALF)
     return x.to(torch.float32).to(_HALF_DTYPES[half]).to(torch.float32)
-
-
-class LossScaler:
-    """Dynamic loss scaling, as tfm_numpy's (and `torch.amp.GradScaler`'s rule, `torch._amp_update_scale_`):
-    on overflow skip the step and multiply the scale by `backoff`; after `growth_interval` good steps in a row
-    multiply it by `growth`."""
-
-    def __init__(self, init_scale: float = 2.0**16, growth: float = 2.0, backoff: float = 0.5,
-                 growth_interval: int = 2000):  # fmt: skip
-        self.scale = check_real("LossScaler", "init_scale", init_scale, 0.0)
-        self.growth = check_real("LossScaler", "growth", growth, 1.0)
-        self.backoff = check_real("LossScaler", "backoff", backoff, 0.0, 1.0)
-        self.growth_interval = check_size("LossScaler", "growth_interval", growth_interval)
-        self.good_steps = 0
-        self.overflows = 0
-
-    def update(self, found_inf: bool) -> None:
-        if found_inf:
-            self.scale *= self.backoff
-            self.good_steps = 0
-            self.overflows += 1
-            return
-        self.good_steps += 1
-        if self.good_steps == self.growth_interval:
-            self.scale *= self.growth
-            self.good_steps = 0
-
-
-class MixedStepResult(NamedTuple):
-    loss: float
-    grad_norm: float
-    skipped: bool
-    scale: float
 
 
 def train_step_mixed(
@@ -355,13 +309,8 @@ def train_step_mixed(
     stored in `half`, float32 master weights, unscaling and Adam; an overflow skips the step. (The library's
     layers accept float32/float64 only, so `torch.autocast`, which hands 16-bit tensors from layer to layer,
     runs on `torch.nn` modules, not on these: see chapter 20.)"""
-    from .train import _params, grad_norm
-
-    params = _params(optimizer)
-    if params[0].dtype != torch.float32:
-        raise TypeError(f"train_step_mixed: model expected float32 master weights, got {params[0].dtype}")
-    check_choice("train_step_mixed", "half", half, HALF)
-    check_optimizer_of("train_step_mixed", model.parameters(), params)
+    params = optimizer_params(optimizer)
+    _check_mixed(model, params, half)
     scale = 1.0 if scaler is None else scaler.scale
     device = params[0].device
     src, tgt_in, tgt_out = (torch.from_numpy(a).to(device) for a in (batch.src, batch.tgt_in, batch.tgt_out))
@@ -388,15 +337,19 @@ def train_step_mixed(
     found_inf = not math.isfinite(norm)
     if scaler is not None:
         scaler.update(found_inf)
-    if found_inf:
+    if found_inf:  # skipped: the model and the optimizer stay as they were
         if scaler is None:
-            check_finite_step(loss.item(), norm)
+            check_finite_step("train_step_mixed", loss.item(), norm)
         return MixedStepResult(loss.item(), norm, True, scale)
-    if clip_norm is not None:
-        clip_grad_norm(params, clip_norm)
-    set_lr(optimizer, lr)
-    optimizer.step()
+    apply_update("train_step_mixed", optimizer, loss.item(), lr, clip_norm)  # clipping, lr, Adam's step (float32)
     return MixedStepResult(loss.item(), norm, False, scale)
+
+
+def _check_mixed(model: nn.Module, params: list[torch.Tensor], half: str) -> None:
+    if params[0].dtype != torch.float32:
+        raise TypeError(f"train_step_mixed: model expected float32 master weights, got {params[0].dtype}")
+    check_choice("train_step_mixed", "half", half, HALF)
+    check_step("train_step_mixed", model.parameters(), params)
 
 
 class _HalfGrad(torch.autograd.Function):

@@ -51,8 +51,5 @@ class PositionwiseFeedForward(Module):
         h = self.activation(self.linear1(x))  # (B, T, d_ff)
         return self.linear2(self.dropout(h))  # (B, T, d_model)
 
-    def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters())
-
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, d_ff={self.d_ff}, activation={self.activation_name!r}"

@@ -11,7 +11,6 @@ from torch import nn
 from tfm_common.images import check_swin_config
 from tfm_common.validate import check_size
 
-from .encoder_decoder import _Counted
 from .layers import Dropout, LayerNorm, Linear
 from .module import Module, as_generator, check_dtype, check_input
 from .sublayers import PositionwiseFeedForward
@@ -216,7 +215,7 @@ def _shift(j: int, window_size: int, grid: int) -> int:
     return 0 if j % 2 == 0 or window_size >= grid else window_size // 2
 
 
-class Swin(_Counted):
+class Swin(Module):
     """A small Swin classifier, the twin of tfm_numpy.Swin (same arguments, same keys)."""
 
     def __init__(

@@ -20,10 +20,10 @@ from tfm_common.validate import check_decode_cache
 
 from .attention import _check_mask as check_mask
 from .attention import causal_mask, check_attention, decoder_mask, padding_mask, use_attention
-from .encoder_decoder import Decoder, Encoder, _check_bool, _check_positive, _Counted
+from .encoder_decoder import Decoder, Encoder, _check_bool, _check_positive
 from .kv_cache import cache_append
 from .layers import Dropout, Embedding, LayerNorm, Linear
-from .module import as_generator, check_dtype, check_indices, check_input, check_probability
+from .module import Module, as_generator, check_dtype, check_indices, check_input, check_probability
 from .positional import LearnedPositionalEmbedding, PositionalEncoding, sinusoidal_positional_encoding
 from .sublayers import check_activation
 
@@ -52,7 +52,7 @@ def xavier_uniform_(p: torch.Tensor, rng=None) -> torch.Tensor:
     return p.uniform_(-a, a, generator=as_generator(rng))
 
 
-class Transformer(_Counted):
+class Transformer(Module):
     """The encoder-decoder Transformer, twin of tfm_numpy.Transformer (see its docstring for the options, the
     weight sharing and the initialization). `model(src, tgt_in)` -> logits (B, T, tgt_vocab_size).
 
@@ -290,7 +290,7 @@ def _check_config(owner: str, c: dict) -> dict:
 # -- torch.nn.Transformer, the reference ------------------------------------------------------------------------
 
 
-class ReferenceTransformer(_Counted):
+class ReferenceTransformer(Module):
     """Our model built from torch's own layers: nn.Embedding, a positional table, nn.Transformer, nn.Linear.
 
     Same constructor arguments as `Transformer`; `ref.transformer` is a plain `torch.nn.Transformer`

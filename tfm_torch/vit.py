@@ -8,7 +8,7 @@ from torch import nn
 
 from tfm_common.images import check_vit_config
 
-from .encoder_decoder import Encoder, _Counted
+from .encoder_decoder import Encoder
 from .layers import Dropout, Linear
 from .module import Module, as_generator, check_dtype, check_input
 from .positional import LearnedPositionalEmbedding
@@ -60,7 +60,7 @@ class PatchEmbedding(Module):
         return f"image_size={self.image_size}, patch_size={self.patch_size}, n_patches={self.n_patches}"
 
 
-class ViT(_Counted):
+class ViT(Module):
     """A Vision Transformer classifier, the twin of tfm_numpy.ViT: `model(images)` -> logits (B, n_classes)."""
 
     def __init__(
