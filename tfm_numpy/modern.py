@@ -14,6 +14,7 @@ import numpy as np
 from tfm_common.validate import check_real, check_size, check_sizes
 
 from .attention import (
+    AttentionImpl,
     attention_weights,
     attention_weights_backward,
     check_attention,
@@ -241,7 +242,7 @@ class _GQAFlashSaved(NamedTuple):
     offset: int
 
 
-class GroupedQueryAttention(Module):
+class GroupedQueryAttention(AttentionImpl, Module):
     """Causal-or-not self-attention with n_kv_heads key/value heads shared by n_heads query heads (Ainslie et al.,
     2023); n_kv_heads = n_heads is multi-head attention, 1 is multi-query attention (Shazeer, 2019).
 
@@ -359,9 +360,7 @@ class GroupedQueryAttention(Module):
         q, k_rep, v_rep, ctx, lse, mask, x_shape, offset = self._saved()
         check_grad("GroupedQueryAttention", grad_out, x_shape, q.dtype)
         d_ctx = self._split(self.out_proj.backward(grad_out), self.n_heads)  # (B, H, T, dh)
-        dq, dk_rep, dv_rep = flash_attention_backward(
-            d_ctx, q, k_rep, v_rep, ctx, lse, mask, block_size=self.block_size
-        )
+        dq, dk_rep, dv_rep = flash_attention_backward(d_ctx, q, k_rep, v_rep, ctx, lse, mask, tile_size=self.block_size)
         return self._heads_backward(dq, dk_rep, dv_rep, offset)
 
     def _flash(self, q, k, v, mask):

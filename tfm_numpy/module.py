@@ -83,6 +83,12 @@ def _depth() -> int:
     return getattr(_CALLS, "depth", 0)
 
 
+def at_the_door() -> bool:
+    """Whether no Module entry point is running: the caller is outside the library, so a public function (say
+    `attention_weights`) checks its arguments; inside a module's forward, that module's door has checked them."""
+    return _depth() == 0
+
+
 def _at_the_door(method, kept: tuple[str, ...] | None):
     name, names = method.__name__, list(inspect.signature(method).parameters)[1:]  # without self
 

@@ -10,6 +10,7 @@ from .gpt import *  # noqa: F403
 from .gradcheck import *  # noqa: F403
 from .layers import *  # noqa: F403
 from .loss import *  # noqa: F403
+from .masks import *  # noqa: F403
 from .modern import *  # noqa: F403
 from .optim import *  # noqa: F403
 from .parallel import *  # noqa: F403

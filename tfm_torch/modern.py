@@ -9,7 +9,7 @@ from torch import nn
 
 from tfm_common.validate import check_real, check_size, check_sizes
 
-from .attention import attention_weights, check_attention, check_attention_call, flash_heads
+from .attention import AttentionImpl, attention_weights, check_attention, check_attention_call, flash_heads
 from .layers import Dropout, Linear
 from .module import Module, as_generator, check_dtype, check_input
 
@@ -133,7 +133,7 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
 
 
-class GroupedQueryAttention(Module):
+class GroupedQueryAttention(AttentionImpl, Module):
     """Grouped-query self-attention, twin of tfm_numpy's: forward(x, mask, offset=0) -> (B, T, d); forward_step
     with a cache of n_kv_heads heads; `rotary` rotates queries and keys. attention="flash" (tiled, as tfm_numpy's)
     or "sdpa" (this track only: F.scaled_dot_product_attention with enable_gqa, the key/value heads not repeated;
