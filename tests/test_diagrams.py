@@ -84,7 +84,7 @@ def test_backward_figure_names_what_the_code_caches():
 
     layer = tnp.EncoderLayer(8, 2, 16, 0.0, rng=0, dtype=np.float64)
     layer(np.random.default_rng(0).standard_normal((1, 3, 8)))
-    assert len(layer.self_attn._cache) == 6  # q, k, v, p, p_drop, query.shape, as the figure lists
+    assert len(layer.self_attn._cache) == 5  # q, k, v, p, p_drop, as the figure lists
     assert len(layer.norm1._cache) == 3  # xhat, rstd, axes
     found = texts(diagrams.encoder_layer_backward_figure())
     assert "(x.shape, x.dtype)" in found and layer._cache == ((1, 3, 8), np.dtype("float64"))

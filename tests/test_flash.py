@@ -57,14 +57,14 @@ def logsumexp(q, k, mask):
 def test_numpy_forward_and_backward_equal_explicit(mask_name, block):
     q, k, v = qkv()
     mask = MASKS[mask_name]()
-    out, lse = tn.flash_attention(q, k, v, mask, block_size=block)
+    out, lse = tn.flash_attention(q, k, v, mask, tile_size=block)
     ref, w = tn.scaled_dot_product_attention(q, k, v, mask)
     assert np.abs(out - ref).max() < EXACT
     assert np.array_equal(np.isinf(lse), np.isinf(logsumexp(q, k, mask)))
     fin = np.isfinite(lse)
     assert np.abs(lse[fin] - logsumexp(q, k, mask)[fin]).max() < EXACT
     g = np.random.default_rng(1).standard_normal(out.shape)
-    grads = tn.flash_attention_backward(g, q, k, v, out, lse, mask, block_size=block)
+    grads = tn.flash_attention_backward(g, q, k, v, out, lse, mask, tile_size=block)
     refs = tn.scaled_dot_product_attention_backward(g, q, k, v, w)
     for a, b in zip(grads, refs, strict=True):
         assert a.shape == b.shape and np.abs(a - b).max() < EXACT
@@ -73,10 +73,10 @@ def test_numpy_forward_and_backward_equal_explicit(mask_name, block):
 def test_fully_masked_rows_give_zero_output_zero_gradients_and_lse_minus_inf():
     q, k, v = qkv()
     mask = left_padded_causal()
-    out, lse = tn.flash_attention(q, k, v, mask, block_size=4)
+    out, lse = tn.flash_attention(q, k, v, mask, tile_size=4)
     assert np.all(out[1, :, :3] == 0) and np.all(lse[1, :, :3] == -np.inf)
     assert np.all(np.isfinite(lse[0])) and np.all(np.isfinite(out))
-    dq, dk, dv = tn.flash_attention_backward(np.ones_like(out), q, k, v, out, lse, mask, block_size=4)
+    dq, dk, dv = tn.flash_attention_backward(np.ones_like(out), q, k, v, out, lse, mask, tile_size=4)
     assert np.all(dq[1, :, :3] == 0) and np.all(dk[1, :, :3] == 0) and np.all(dv[1, :, :3] == 0)
 
 
@@ -84,9 +84,9 @@ def test_cross_attention_shapes_and_broadcast_masks():
     """Tq != Tk, a padding mask of fewer dimensions than the scores, leading dimensions other than (B, H)."""
     q, k, v = qkv(tq=T, tk=S)
     mask = np.array([True] * 5 + [False] * 2)  # (Tk,): broadcasts to every row
-    out, _ = tn.flash_attention(q, k, v, mask, block_size=3)
+    out, _ = tn.flash_attention(q, k, v, mask, tile_size=3)
     assert np.abs(out - tn.scaled_dot_product_attention(q, k, v, mask)[0]).max() < EXACT
-    out2, _ = tn.flash_attention(q[0, 0], k[0, 0], v[0, 0], block_size=2)  # (T, D): no leading dimensions
+    out2, _ = tn.flash_attention(q[0, 0], k[0, 0], v[0, 0], tile_size=2)  # (T, D): no leading dimensions
     assert np.abs(out2 - tn.scaled_dot_product_attention(q[0, 0], k[0, 0], v[0, 0])[0]).max() < EXACT
 
 
@@ -98,10 +98,10 @@ def test_numpy_backward_gradient_check(mask_name):
     w = np.random.default_rng(3).standard_normal((B, H, 5, D + 1))
 
     def loss():
-        return float((w * tn.flash_attention(q, k, v, mask, block_size=2)[0]).sum())
+        return float((w * tn.flash_attention(q, k, v, mask, tile_size=2)[0]).sum())
 
-    out, lse = tn.flash_attention(q, k, v, mask, block_size=2)
-    grads = tn.flash_attention_backward(w, q, k, v, out, lse, mask, block_size=2)
+    out, lse = tn.flash_attention(q, k, v, mask, tile_size=2)
+    grads = tn.flash_attention_backward(w, q, k, v, out, lse, mask, tile_size=2)
     for x, g in zip((q, k, v), grads, strict=True):
         assert tn.rel_error(g, tn.numeric_grad(lambda _: loss(), x)) < 1e-7
 
@@ -109,21 +109,19 @@ def test_numpy_backward_gradient_check(mask_name):
 def test_causal_tiles_above_the_diagonal_are_skipped():
     """With T = 4 blocks, a causal mask leaves 4 * 5 / 2 = 10 tiles of the 16; K and V are read only there."""
     q, k, v = qkv(tq=8, tk=8)
-    stats = {}
-    tn.flash_attention(q, k, v, tn.causal_mask(8), block_size=2, stats=stats)
+    stats = tn.flash_attention_counts(q, k, v, tn.causal_mask(8), tile_size=2)
     assert stats["tiles"] == 10 and stats["tiles_skipped"] == 6
     assert stats["q"] == q.size and stats["o"] == B * H * 8 * (D + 1)
     assert stats["k"] == B * H * 2 * D * 10  # every computed tile reads one block of keys
-    full = {}
-    tn.flash_attention(q, k, v, block_size=2, stats=full)
+    full = tn.flash_attention_counts(q, k, v, tile_size=2)
     assert full["tiles"] == 16 and full["k"] == 4 * k.size  # Tq / Br = 4 passes over K
 
 
 def test_float32_stays_float32():
     q, k, v = qkv(dtype=np.float32)
-    out, lse = tn.flash_attention(q, k, v, tn.causal_mask(T), block_size=4)
+    out, lse = tn.flash_attention(q, k, v, tn.causal_mask(T), tile_size=4)
     assert out.dtype == np.float32 and lse.dtype == np.float32
-    grads = tn.flash_attention_backward(np.ones_like(out), q, k, v, out, lse, tn.causal_mask(T), block_size=4)
+    grads = tn.flash_attention_backward(np.ones_like(out), q, k, v, out, lse, tn.causal_mask(T), tile_size=4)
     assert all(g.dtype == np.float32 for g in grads)
     ref = tn.scaled_dot_product_attention(q, k, v, tn.causal_mask(T))[0]
     assert np.abs(out - ref).max() < 1e-5
@@ -141,11 +139,11 @@ def torch_mask(mask):
 def test_torch_equals_numpy_and_explicit(mask_name, block):
     q, k, v = qkv(seed=4)
     mask = MASKS[mask_name]()
-    out, lse = tn.flash_attention(q, k, v, mask, block_size=block)
+    out, lse = tn.flash_attention(q, k, v, mask, tile_size=block)
     g = np.random.default_rng(5).standard_normal(out.shape)
-    grads = tn.flash_attention_backward(g, q, k, v, out, lse, mask, block_size=block)
+    grads = tn.flash_attention_backward(g, q, k, v, out, lse, mask, tile_size=block)
     tq, tk, tv = (to_torch(x, requires_grad=True) for x in (q, k, v))
-    t_out, t_lse = tt.flash_attention(tq, tk, tv, torch_mask(mask), block_size=block)
+    t_out, t_lse = tt.flash_attention(tq, tk, tv, torch_mask(mask), tile_size=block)
     t_out.backward(to_torch(g))
     assert max_abs_diff(t_out, out) < EXACT
     assert np.array_equal(to_numpy(t_lse) == -np.inf, lse == -np.inf)
@@ -166,7 +164,7 @@ def test_torch_equals_scaled_dot_product_attention(mask_name):
     q, k, v = qkv(seed=6)
     mask = MASKS[mask_name]()
     tq, tk, tv = (to_torch(x, requires_grad=True) for x in (q, k, v))
-    out = tt.flash_attention(tq, tk, tv, torch_mask(mask), block_size=4)[0]
+    out = tt.flash_attention(tq, tk, tv, torch_mask(mask), tile_size=4)[0]
     rq, rk, rv = (to_torch(x, requires_grad=True) for x in (q, k, v))
     ref = F.scaled_dot_product_attention(rq, rk, rv, attn_mask=torch_mask(mask))
     g = to_torch(np.random.default_rng(7).standard_normal(out.shape))
@@ -180,7 +178,7 @@ def test_torch_equals_scaled_dot_product_attention(mask_name):
 def test_torch_autograd_gradcheck():
     q, k, v = (to_torch(x[:, :, :5], requires_grad=True) for x in qkv(seed=8))
     mask = torch_mask(left_padded_causal()[..., :5, :5])
-    flash = lambda a, b, c: tt.flash_attention(a, b, c, mask, block_size=2)[0]  # noqa: E731
+    flash = lambda a, b, c: tt.flash_attention(a, b, c, mask, tile_size=2)[0]  # noqa: E731
     # float64 central differences: the book's 1e-7, not gradcheck's default atol 1e-5 / rtol 1e-3
     assert torch.autograd.gradcheck(flash, (q, k, v), atol=1e-8, rtol=1e-7)
 
@@ -192,10 +190,10 @@ def test_torch_autograd_gradcheck():
 def test_bad_input_is_a_clear_error(track):
     lib, A = (tn, np.asarray) if track == "numpy" else (tt, lambda a: torch.from_numpy(np.asarray(a)))
     q, k, v = (A(x) for x in qkv())
-    with pytest.raises(ValueError, match=r"flash_attention: block_size must be an int >= 1, got 0"):
-        lib.flash_attention(q, k, v, block_size=0)
-    with pytest.raises(TypeError, match=r"flash_attention: block_size expected an int, got float"):
-        lib.flash_attention(q, k, v, block_size=2.0)
+    with pytest.raises(ValueError, match=r"flash_attention: tile_size must be an int >= 1, got 0"):
+        lib.flash_attention(q, k, v, tile_size=0)
+    with pytest.raises(TypeError, match=r"flash_attention: tile_size expected an int, got float"):
+        lib.flash_attention(q, k, v, tile_size=2.0)
     with pytest.raises(TypeError, match=r"mask: expected a boolean"):
         lib.flash_attention(q, k, v, A(np.ones((1, 1, T, T))))
     with pytest.raises(ValueError, match=r"mask: shape \(1, 1, 3, 3\) does not broadcast"):
@@ -279,7 +277,7 @@ def test_flash_model_tracks_agree_and_the_option_is_switchable():
     m = tiny_model("numpy", "explicit")
     assert tn.use_attention(m, "flash", 5) is m
     mhas = [mod for _, mod in m.named_modules() if isinstance(mod, tn.MultiHeadAttention)]
-    assert len(mhas) == 6 and all(a.attention == "flash" and a.block_size == 5 for a in mhas)
+    assert len(mhas) == 6 and all(a.attention == "flash" and a.tile_size == 5 for a in mhas)
     m(SRC_TOKENS, TGT_TOKENS)
     assert all(a.attn_weights is None for a in mhas)  # no weights formed
 
@@ -295,7 +293,7 @@ def test_flash_refuses_attention_dropout_in_training_and_bad_options(track):
     assert tuple(mha(x, x, x).shape) == (1, 3, 8)  # eval: dropout off, fine
     with pytest.raises(ValueError, match=r"MultiHeadAttention: attention must be one of \('explicit', 'flash'[,)]"):
         lib.MultiHeadAttention(8, 2, attention="tiled")
-    with pytest.raises(ValueError, match=r"Transformer: block_size must be an int >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"Transformer: tile_size must be an int >= 1, got 0"):
         lib.Transformer(5, 5, d_model=8, n_heads=2, d_ff=8, n_layers=1, block_size=0)
     with pytest.raises(ValueError, match=r"use_attention: attention must be one of"):
         lib.use_attention(mha, "fast")

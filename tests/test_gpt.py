@@ -476,11 +476,11 @@ def assert_same(a: tuple, b: tuple, tol: float = TRACK_TOL) -> None:
 def test_flash_and_sdpa_equal_explicit_attention_float64(norm, positional, activation, n_kv_heads):
     model = np_gpt(norm, positional, activation, n_kv_heads).train()  # training mode, dropout 0
     explicit = grads_of(model, tn)
-    tn.use_attention(model, "flash", block_size=2)  # tiles smaller than the 5 positions: several per row
+    tn.use_attention(model, "flash", tile_size=2)  # tiles smaller than the 5 positions: several per row
     assert_same(grads_of(model, tn), explicit)
     assert all(m.attn_weights is None for _, m in model.named_modules() if isinstance(m, tn.GroupedQueryAttention))
     for attention in ("flash", "sdpa"):
-        t = tt.use_attention(twin(model), attention, block_size=2)
+        t = tt.use_attention(twin(model), attention, tile_size=2)
         assert_same(grads_of(t, tt), explicit)  # the NumPy explicit model: twin agreement and option agreement
         # the option's path ran: the explicit one keeps its weights (the twin's explicit run above: not None)
         assert all(m.attn_weights is None for _, m in t.named_modules() if isinstance(m, tt.GroupedQueryAttention))
@@ -490,7 +490,7 @@ def test_flash_and_sdpa_equal_explicit_attention_float64(norm, positional, activ
 
 
 def test_whole_model_gradient_check_with_tiled_attention():
-    model = tn.use_attention(np_gpt("rmsnorm", "rope", "swiglu", 2, n_layers=1).eval(), "flash", block_size=2)
+    model = tn.use_attention(np_gpt("rmsnorm", "rope", "swiglu", 2, n_layers=1).eval(), "flash", tile_size=2)
     errors = model_grad_check(model)
     assert max(errors.values()) < GRAD_TOL, {k: v for k, v in errors.items() if v >= GRAD_TOL}
 
@@ -525,7 +525,7 @@ def test_attention_options_refused_as_for_multi_head_attention():
 def test_the_attention_option_at_construction_is_use_attention(lib):
     attention = "flash" if lib is tn else "sdpa"
     built = lib.GPT(**TINY, n_kv_heads=2, attention=attention, block_size=4, rng=0)
-    switched = lib.use_attention(lib.GPT(**TINY, n_kv_heads=2, rng=0), attention, block_size=4)
+    switched = lib.use_attention(lib.GPT(**TINY, n_kv_heads=2, rng=0), attention, tile_size=4)
     modes = {(m.attention, m.tile_size) for m in (layer.self_attn for layer in built.layers)}
     assert modes == {(attention, 4)} and list(built.state_dict()) == list(switched.state_dict())
     assert "attention" not in built.config  # how the heads are computed, not what the model is

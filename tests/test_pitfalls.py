@@ -118,12 +118,12 @@ def test_score_scale_d_model_is_softmax_over_sqrt_d_model():
     m = mha(tn, score_scale="d_model")
     x = np.random.default_rng(2).standard_normal((1, 4, D))
     m(x, x, x)
-    q = m.q_proj(x).reshape(1, 4, H, D // H).transpose(0, 2, 1, 3)
+    q = (x @ m.q_proj.weight.data.T + m.q_proj.bias.data).reshape(1, 4, H, D // H).transpose(0, 2, 1, 3)  # unscaled
     k = m.k_proj(x).reshape(1, 4, H, D // H).transpose(0, 2, 1, 3)
     s = q @ k.transpose(0, 1, 3, 2) / np.sqrt(D)
     p = np.exp(s - s.max(-1, keepdims=True))
     assert max_abs_diff(m.attn_weights, p / p.sum(-1, keepdims=True)) < 1e-14
-    flash = mha(tn, score_scale="d_model", attention="flash", block_size=2)
+    flash = mha(tn, score_scale="d_model", attention="flash", tile_size=2)
     flash.load_state_dict(m.state_dict())
     assert max_abs_diff(flash(x, x, x), m(x, x, x)) < 1e-13
 

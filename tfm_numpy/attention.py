@@ -1,15 +1,13 @@
-"""Attention, NumPy track: scaled dot-product attention, masks and multi-head attention, forward and backward.
+"""Attention, NumPy track: scaled dot-product attention and multi-head attention, forward and backward.
 
 Shapes: `B` batch, `H` heads, `Tq` queries, `Tk` keys (= values), `dk` the query/key size per head,
-`dv` the value size per head. Any leading dimensions may stand in for `(B, H)`.
-
-Masks are boolean and `True` means "may attend". A padding mask has shape `(B, 1, 1, Tk)`, a causal
-mask `(1, 1, T, T)`; both broadcast against the scores `(B, H, Tq, Tk)`. (`torch.nn.MultiheadAttention`
-uses the opposite meaning, True = "may NOT attend"; convert at that boundary with `~mask`.)
+`dv` the value size per head. Any leading dimensions may stand in for `(B, H)`. Masks (boolean, True = may
+attend, broadcasting to the scores `(B, H, Tq, Tk)`) are made and checked in `masks`.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -21,17 +19,17 @@ from tfm_common.validate import check_choice, check_size, check_sizes
 from .flash import flash_attention, flash_attention_backward
 from .kv_cache import cache_append
 from .layers import Dropout, Linear
-from .module import FLOAT_DTYPES, Module, as_rng, check_dtype, check_grad, check_input
+from .masks import check_mask, check_qkv
+from .module import Module, as_rng, at_the_door, check_dtype, check_grad, check_input
 
 __all__ = [
     "attention_weights",
     "attention_weights_backward",
     "scaled_dot_product_attention",
     "scaled_dot_product_attention_backward",
-    "padding_mask",
-    "causal_mask",
-    "decoder_mask",
+    "AttentionImpl",
     "MultiHeadAttention",
+    "ScaledLinear",
     "SharedHeadProjectionAttention",
     "make_attention",
     "ATTENTION",
@@ -44,41 +42,6 @@ ATTENTION = ("explicit", "flash")
 
 
 # -- scaled dot-product attention ----------------------------------------------------------------------------
-
-
-def _check_qkv(q, k, v=None) -> None:
-    """Validate the public inputs: float arrays of one dtype, q/k sizes equal, keys and values paired."""
-    name = "scaled_dot_product_attention"
-    for arg, x in (("q", q), ("k", k), ("v", v)):
-        if x is None:
-            continue
-        if not isinstance(x, np.ndarray):
-            raise TypeError(f"{name}: {arg} must be a numpy.ndarray, got {type(x).__name__}")
-        if x.dtype.type not in FLOAT_DTYPES:
-            raise TypeError(f"{name}: {arg} must be float32 or float64, got dtype {x.dtype}")
-        if x.dtype != q.dtype:
-            raise TypeError(f"{name}: q and {arg} must share a dtype, got {q.dtype} and {x.dtype}")
-        if x.ndim < 2:
-            raise ValueError(f"{name}: {arg} must have at least 2 dimensions (T, d), got shape {x.shape}")
-    if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"{name}: q and k must have the same last dimension dk, got q {q.shape} and k {k.shape}")
-    if q.shape[:-2] != k.shape[:-2]:
-        raise ValueError(f"{name}: q and k must have the same leading dimensions, got q {q.shape} and k {k.shape}")
-    if v is not None and v.shape[:-1] != k.shape[:-1]:
-        raise ValueError(f"{name}: k and v must have the same shape but the last dim, got k {k.shape} and v {v.shape}")
-
-
-def _check_mask(mask, scores_shape: tuple[int, ...]) -> None:
-    """A boolean array that broadcasts to the scores' shape (..., Tq, Tk) without growing it."""
-    if not isinstance(mask, np.ndarray) or mask.dtype != np.bool_:
-        got = f"dtype {mask.dtype}" if isinstance(mask, np.ndarray) else type(mask).__name__
-        raise TypeError(f"mask: expected a boolean numpy array (True = may attend), got {got}; use mask.astype(bool)")
-    try:
-        ok = np.broadcast_shapes(mask.shape, scores_shape) == scores_shape
-    except ValueError:
-        ok = False
-    if not ok:
-        raise ValueError(f"mask: shape {mask.shape} does not broadcast to the attention scores' shape {scores_shape}")
 
 
 def attention_weights(q: np.ndarray, k: np.ndarray, mask: np.ndarray | None = None, *, fill: float | None = None):
@@ -95,12 +58,11 @@ def attention_weights(q: np.ndarray, k: np.ndarray, mask: np.ndarray | None = No
     (finite fills: it attends to the padding) or NaN (-inf: exp(-inf - -inf)); we silence NumPy's warning
     on purpose there, the NaN is the lesson. Rows with at least one allowed key agree with the default.
     """
-    _check_qkv(q, k)
+    if at_the_door():  # inside a module, its door has checked q, k and the mask
+        check_qkv(q, k, mask=mask)
     scale = 1.0 / math.sqrt(q.shape[-1])  # a python float: keeps float32 float32
     scores = q @ np.swapaxes(k, -1, -2)  # (..., Tq, dk) @ (..., dk, Tk) -> (..., Tq, Tk): a new array, so the
     scores *= scale  # steps below may work in place (no more arrays of this size, the largest of the attention)
-    if mask is not None:
-        _check_mask(mask, scores.shape)
     if fill is not None:
         return _softmax_filled(scores, mask, fill)
     if mask is not None:
@@ -149,7 +111,7 @@ def scaled_dot_product_attention(q, k, v, mask=None, *, fill=None):
     broadcasts to (..., Tq, Tk), e.g. (B, 1, 1, Tk) or (1, 1, Tq, Tk). A query row with nothing to attend
     to gives a zero output row and zero gradients (see `attention_weights`, also for `fill`).
     """
-    _check_qkv(q, k, v)
+    check_qkv(q, k, v)
     weights = attention_weights(q, k, mask, fill=fill)  # (..., Tq, Tk)
     return weights @ v, weights  # (..., Tq, dv)
 
@@ -166,38 +128,10 @@ def scaled_dot_product_attention_backward(grad_out, q, k, v, weights, mask=None)
     return dq, dk, dv
 
 
-# -- masks ---------------------------------------------------------------------------------------------------
-
-
-def padding_mask(tokens: np.ndarray, pad_id: int) -> np.ndarray:
-    """(B, T) integer tokens -> (B, 1, 1, T) bool, True where the token is real (not `pad_id`).
-
-    It masks keys (the last axis), so it broadcasts over heads and query positions.
-    """
-    tokens = np.asarray(tokens)
-    if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
-        raise ValueError(
-            f"padding_mask: tokens must be a (B, T) integer array, got shape {tokens.shape}, {tokens.dtype}"
-        )
-    return (tokens != pad_id)[:, None, None, :]
-
-
-def causal_mask(T: int) -> np.ndarray:
-    """(1, 1, T, T) bool, lower triangular: query i may attend to keys 0..i, never to the future."""
-    if T < 1:
-        raise ValueError(f"causal_mask: T must be positive, got {T}")
-    return np.tril(np.ones((T, T), dtype=bool))[None, None]
-
-
-def decoder_mask(tgt_tokens: np.ndarray, pad_id: int) -> np.ndarray:
-    """The decoder's self-attention mask: causal AND not padding. (B, T) tokens -> (B, 1, T, T) bool."""
-    return padding_mask(tgt_tokens, pad_id) & causal_mask(np.shape(tgt_tokens)[1])
-
-
 # -- multi-head attention ------------------------------------------------------------------------------------
 
 
-class _FlashSaved(NamedTuple):
+class _Tiles(NamedTuple):
     """What a tiled forward keeps for its backward: the heads' inputs, output and log-sum-exp, not the weights."""
 
     q: np.ndarray
@@ -206,23 +140,69 @@ class _FlashSaved(NamedTuple):
     ctx: np.ndarray
     lse: np.ndarray
     mask: np.ndarray | None
-    out_shape: tuple
 
 
-class MultiHeadAttention(Module):
+class AttentionImpl:
+    """How an attention module's heads compute softmax(q k^T / sqrt(dk)) v: `attention="explicit"` forms the
+    weights (B, H, Tq, Tk), with dropout on them, and keeps them in `attn_weights`; "flash" runs chapter 15b's tiled
+    kernel in tiles of `tile_size` (no weights kept, no dropout). `use_attention` switches every module deriving from
+    this class. Such a module has `dropout` (a Dropout) and `attn_weights`, sets `attention` and `tile_size` with
+    `check_attention`, calls `ctx = self._attend(q, k, v, mask)` in its forward and
+    `dq, dk, dv = self._attend_backward(d_ctx, self._saved())` in its backward."""
+
+    attention: str
+    tile_size: int
+
+    def _attend(self, q, k, v, mask):
+        """q (B, H, Tq, dk), k (B, H, Tk, dk), v (B, H, Tk, dv) -> the heads' output (B, H, Tq, dv)."""
+        attend = self._attend_flash if self.attention == "flash" else self._attend_explicit
+        return attend(q, k, v, mask)
+
+    def _attend_backward(self, d_ctx, saved):
+        """From the gradient of the heads' output (B, H, Tq, dv) to (dq, dk, dv), with what `_attend` kept."""
+        backward = self._attend_flash_backward if isinstance(saved, _Tiles) else self._attend_explicit_backward
+        return backward(d_ctx, saved)
+
+    def _attend_explicit(self, q, k, v, mask):
+        p = attention_weights(q, k, mask)  # (B, H, Tq, Tk)
+        p_drop = self.dropout(p)  # identity in eval or with p = 0
+        self.attn_weights = p
+        self._cache = (q, k, v, p, p_drop)  # the weights before and after dropout
+        return p_drop @ v  # (B, H, Tq, dv)
+
+    def _attend_explicit_backward(self, d_ctx, saved: tuple):
+        q, k, v, p, p_drop = saved
+        dv = np.swapaxes(p_drop, -1, -2) @ d_ctx  # (B, H, Tk, dv)
+        dp = self.dropout.backward(d_ctx @ np.swapaxes(v, -1, -2))  # (B, H, Tq, Tk), through the dropout mask
+        dq, dk = attention_weights_backward(dp, q, k, p)  # (B, H, Tq, dk), (B, H, Tk, dk)
+        return dq, dk, dv
+
+    def _attend_flash(self, q, k, v, mask):
+        refuse_flash_dropout(type(self).__name__, self)
+        ctx, lse = flash_attention(q, k, v, mask, tile_size=self.tile_size)  # the weights are not kept
+        self.attn_weights = None
+        self._cache = _Tiles(q, k, v, ctx, lse, mask)
+        return ctx  # (B, H, Tq, dv)
+
+    def _attend_flash_backward(self, d_ctx, saved: _Tiles):
+        q, k, v, ctx, lse, mask = saved  # each tile's weights recomputed from lse
+        return flash_attention_backward(d_ctx, q, k, v, ctx, lse, mask, tile_size=self.tile_size)
+
+
+class MultiHeadAttention(AttentionImpl, Module):
     """Multi-head attention: project, split into heads, attend in each head, merge, project back.
 
     forward(query (B, Tq, d), key (B, Tk, d), value (B, Tk, d), mask) -> (B, Tq, d). The heads are a batch
     dimension: (B, T, d) -> (B, T, H, dk) -> (B, H, T, dk). After a forward, `attn_weights` holds the
     softmax weights (B, H, Tq, Tk) (before dropout; torch.nn.MultiheadAttention returns them after).
 
-    attention="flash" computes the heads with `flash_attention` in tiles of `block_size` (the same numbers to
+    attention="flash" computes the heads with `flash_attention` in tiles of `tile_size` (the same numbers to
     rounding, no (Tq, Tk) array kept: `attn_weights` stays None). It has no dropout on the attention weights, so
     training with dropout > 0 is refused (eval mode, or dropout=0, is fine).
 
     score_scale="d_model" divides the scores by sqrt(d_model) instead of sqrt(dk), a pitfall of chapter 16a: the
-    queries are multiplied by sqrt(dk / d_model) = 1/sqrt(H) after the split, so the softmax runs at a temperature
-    sqrt(H) times too low. The default "d_k" is the paper's (and changes nothing).
+    query projection is a `ScaledLinear` that multiplies its output by sqrt(dk / d_model) = 1/sqrt(H), so the
+    softmax runs at a temperature sqrt(H) times too low. The default "d_k" is the paper's (and changes nothing).
 
     backward(grad_out) returns (d_query, d_key, d_value). When one tensor fed several inputs, add its
     gradients: self-attention `dx = sum(mha.backward(g))`, cross-attention `d_memory = d_key + d_value`.
@@ -236,7 +216,7 @@ class MultiHeadAttention(Module):
         bias: bool = True,
         *,
         attention: str = "explicit",
-        block_size: int = 64,
+        tile_size: int = 64,
         score_scale: str = "d_k",
         rng=None,
         dtype=np.float32,
@@ -247,7 +227,7 @@ class MultiHeadAttention(Module):
         if d_model % n_heads != 0:
             raise ValueError(f"{owner}: d_model={d_model} must be divisible by n_heads={n_heads}")
         self.d_model, self.n_heads, self.d_head = d_model, n_heads, d_model // n_heads
-        self.attention, self.block_size = check_attention(owner, attention, block_size)
+        self.attention, self.tile_size = check_attention(owner, attention, tile_size)
         self.score_scale = check_choice(owner, "score_scale", score_scale, SCORE_SCALES)
         # 1/sqrt(H) on the queries turns the 1/sqrt(dk) of the attention into 1/sqrt(d_model); None: the paper's
         self._q_scale = None if score_scale == "d_k" else 1.0 / math.sqrt(n_heads)
@@ -259,26 +239,10 @@ class MultiHeadAttention(Module):
 
     def _make_projections(self, d_model: int, bias: bool, g, dt) -> None:
         """The query, key and value projections: each (d_model -> d_model), every head its own d_k columns."""
-        self.q_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
+        query_proj = Linear if self._q_scale is None else functools.partial(ScaledLinear, scale=self._q_scale)
+        self.q_proj = query_proj(d_model, d_model, bias, rng=g, dtype=dt)
         self.k_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
         self.v_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
-
-    def _heads(self, proj: Linear, x: np.ndarray) -> np.ndarray:
-        """(B, T, d) -> projected and split into heads (B, H, T, dk): project, then split."""
-        return self._split(proj(x))
-
-    def _heads_backward(self, proj: Linear, grad: np.ndarray) -> np.ndarray:
-        """Backward of `_heads`: (B, H, T, dk) -> (B, T, d)."""
-        return proj.backward(self._merge(grad))
-
-    def _queries(self, query: np.ndarray) -> np.ndarray:
-        """The queries' heads (B, H, Tq, dk), times 1/sqrt(H) for score_scale="d_model"."""
-        q = self._heads(self.q_proj, query)
-        return q if self._q_scale is None else q * q.dtype.type(self._q_scale)
-
-    def _queries_backward(self, dq: np.ndarray) -> np.ndarray:
-        dq = dq if self._q_scale is None else dq * dq.dtype.type(self._q_scale)
-        return self._heads_backward(self.q_proj, dq)
 
     def _split(self, x: np.ndarray) -> np.ndarray:
         """(B, T, d) -> (B, H, T, dk). The transpose matters: a bare reshape to (B, H, T, dk) mixes positions."""
@@ -290,7 +254,18 @@ class MultiHeadAttention(Module):
         B, _, T, _ = x.shape
         return x.transpose(0, 2, 1, 3).reshape(B, T, self.d_model)
 
-    def _check(self, query, key, value) -> None:
+    def _check_forward(self, query, key, value, mask=None) -> None:
+        """At the door, before anything is projected, cached or stored (a refused call changes nothing)."""
+        self._check_inputs(query, key, value)
+        check_attention_call("MultiHeadAttention", self, query.shape[0], query.shape[1], key.shape[1], mask)
+
+    def _check_forward_step(self, query, key, value, cache: dict, mask=None, *, static: bool = False) -> None:
+        self._check_inputs(query, key, value)
+        cached = cache["k"].shape[2] if "k" in cache else 0  # positions (or, static, memory keys) already there
+        keys = cached if static and "k" in cache else cached + key.shape[1]
+        check_attention_call("MultiHeadAttention", self, query.shape[0], query.shape[1], keys, mask, cache)
+
+    def _check_inputs(self, query, key, value) -> None:
         dt = self.q_proj.weight.dtype
         for arg, x in (("query", query), ("key", key), ("value", value)):
             check_input(f"MultiHeadAttention: {arg}", x, last_dim=self.d_model, dtype=dt)
@@ -304,36 +279,20 @@ class MultiHeadAttention(Module):
             raise ValueError(f"MultiHeadAttention: key and value lengths differ: key {key.shape}, value {value.shape}")
 
     def forward(self, query: np.ndarray, key: np.ndarray, value: np.ndarray, mask: np.ndarray | None = None):
-        self._check(query, key, value)
-        check_attention_call("MultiHeadAttention", self, query.shape[0], query.shape[1], key.shape[1], mask)
-        q = self._queries(query)  # (B, H, Tq, dk)
-        k = self._heads(self.k_proj, key)  # (B, H, Tk, dk)
-        v = self._heads(self.v_proj, value)  # (B, H, Tk, dk)
-        if self.attention == "flash":  # tiled (chapter 15b): no (Tq, Tk) array
-            return self._forward_flash(q, k, v, mask, query.shape)
-        p = attention_weights(q, k, mask)  # (B, H, Tq, Tk)
-        p_drop = self.dropout(p)  # identity in eval or with p = 0
-        ctx = p_drop @ v  # (B, H, Tq, dk)
-        self.attn_weights = p
-        self._cache = (q, k, v, p, p_drop, query.shape)
+        q = self._split(self.q_proj(query))  # (B, H, Tq, dk)
+        k = self._split(self.k_proj(key))  # (B, H, Tk, dk)
+        v = self._split(self.v_proj(value))  # (B, H, Tk, dk)
+        ctx = self._attend(q, k, v, mask)  # (B, H, Tq, dk): softmax(q k^T / sqrt(dk)) v in every head
         return self.out_proj(self._merge(ctx))  # (B, Tq, d)
 
-    def _forward_flash(self, q, k, v, mask, out_shape):
-        ctx, lse = self._flash(q, k, v, mask)  # (B, H, Tq, dk), (B, H, Tq): the weights are not kept
-        self.attn_weights = None
-        self._cache = _FlashSaved(q, k, v, ctx, lse, mask, out_shape)
-        return self.out_proj(self._merge(ctx))  # (B, Tq, d)
-
-    def _backward_flash(self, grad_out):
-        q, k, v, ctx, lse, mask, out_shape = self._saved()
-        check_grad("MultiHeadAttention", grad_out, out_shape, q.dtype)
+    def backward(self, grad_out: np.ndarray):
+        saved = self._saved()  # what the forward's _attend kept
         d_ctx = self._split(self.out_proj.backward(grad_out))  # (B, H, Tq, dk)
-        dq, dk, dv = flash_attention_backward(d_ctx, q, k, v, ctx, lse, mask, block_size=self.block_size)
-        d_query = self._queries_backward(dq)  # (B, Tq, d)
-        return d_query, self._heads_backward(self.k_proj, dk), self._heads_backward(self.v_proj, dv)
-
-    def _flash(self, q, k, v, mask):
-        return flash_heads("MultiHeadAttention", self, q, k, v, mask)
+        dq, dk, dv = self._attend_backward(d_ctx, saved)  # (B, H, Tq, dk), (B, H, Tk, dk), (B, H, Tk, dk)
+        d_query = self.q_proj.backward(self._merge(dq))  # (B, Tq, d)
+        d_key = self.k_proj.backward(self._merge(dk))  # (B, Tk, d)
+        d_value = self.v_proj.backward(self._merge(dv))  # (B, Tk, d)
+        return d_query, d_key, d_value
 
     def forward_step(self, query, key, value, cache: dict, mask=None, *, static: bool = False) -> np.ndarray:
         """`forward` for incremental decoding (inference only: no backward), keeping keys and values in `cache`.
@@ -345,43 +304,40 @@ class MultiHeadAttention(Module):
         static=True (cross-attention): key and value are the same memory at every step, projected on the first
         call only. `mask` covers all the keys so far, (B, 1, Tn, T) or (B, 1, 1, S).
         """
-        self._check(query, key, value)
-        cached = cache["k"].shape[2] if "k" in cache else 0  # positions (or, static, memory keys) already there
-        keys = cached if static and "k" in cache else cached + key.shape[1]
-        check_attention_call("MultiHeadAttention", self, query.shape[0], query.shape[1], keys, mask, cache)
-        self._cache = None  # nothing for a backward: one after this step is an error, not a wrong gradient
         if not (static and "k" in cache):
-            k = self._heads(self.k_proj, key)  # (B, H, Tn, dk), or (B, H, S, dk) for the memory
-            v = self._heads(self.v_proj, value)
+            k = self._split(self.k_proj(key))  # (B, H, Tn, dk), or (B, H, S, dk) for the memory
+            v = self._split(self.v_proj(value))
             if static:  # cross-attention: the memory's keys and values, once
                 cache["k"], cache["v"] = k, v
             else:  # self-attention: the new positions written after the earlier ones, in place (no copy of those)
                 cache_append(cache, "k", k, axis=2)
                 cache_append(cache, "v", v, axis=2)
-        q = self._queries(query)  # (B, H, Tn, dk)
-        if self.attention == "flash":
-            return self.out_proj(self._merge(self._flash(q, cache["k"], cache["v"], mask)[0]))
-        p = attention_weights(q, cache["k"], mask)  # (B, H, Tn, T)
-        return self.out_proj(self._merge(self.dropout(p) @ cache["v"]))  # (B, Tn, d)
-
-    def backward(self, grad_out: np.ndarray):
-        if isinstance(self._cache, _FlashSaved):  # after a tiled forward: the weights recomputed from lse
-            return self._backward_flash(grad_out)
-        q, k, v, p, p_drop, out_shape = self._saved()
-        check_grad("MultiHeadAttention", grad_out, out_shape, q.dtype)
-        d_ctx = self._split(self.out_proj.backward(grad_out))  # (B, H, Tq, dk)
-        dv = np.swapaxes(p_drop, -1, -2) @ d_ctx  # (B, H, Tk, dk)
-        dp = self.dropout.backward(d_ctx @ np.swapaxes(v, -1, -2))  # (B, H, Tq, Tk), through the dropout mask
-        dq, dk = attention_weights_backward(dp, q, k, p)  # (B, H, Tq, dk), (B, H, Tk, dk)
-        d_query = self._queries_backward(dq)  # (B, Tq, d)
-        d_key = self._heads_backward(self.k_proj, dk)  # (B, Tk, d)
-        d_value = self._heads_backward(self.v_proj, dv)  # (B, Tk, d)
-        return d_query, d_key, d_value
+        q = self._split(self.q_proj(query))  # (B, H, Tn, dk)
+        ctx = self._attend(q, cache["k"], cache["v"], mask)  # (B, H, Tn, dk)
+        self._cache = None  # nothing for a backward: one after this step is an error, not a wrong gradient
+        return self.out_proj(self._merge(ctx))  # (B, Tn, d)
 
     def extra_repr(self) -> str:
-        flash = f", attention='flash', block_size={self.block_size}" if self.attention == "flash" else ""
+        flash = f", attention='flash', tile_size={self.tile_size}" if self.attention == "flash" else ""
         scale = ", score_scale='d_model'" if self.score_scale == "d_model" else ""
         return f"d_model={self.d_model}, n_heads={self.n_heads}{flash}{scale}"
+
+
+class ScaledLinear(Linear):
+    """A pitfall of chapter 16a (score_scale="d_model") as a query projection: a Linear whose output is multiplied
+    by `scale` = 1/sqrt(H), so that the attention's 1/sqrt(dk) becomes 1/sqrt(d_model). Same parameters and
+    state_dict names as the Linear it stands for."""
+
+    def __init__(self, *args, scale: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.scale = scale
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        y = super().forward(x)
+        return y * y.dtype.type(self.scale)
+
+    def backward(self, grad_out: np.ndarray) -> np.ndarray:
+        return super().backward(grad_out * grad_out.dtype.type(self.scale))
 
 
 class SharedHeadProjectionAttention(MultiHeadAttention):
@@ -395,15 +351,36 @@ class SharedHeadProjectionAttention(MultiHeadAttention):
 
     def _make_projections(self, d_model: int, bias: bool, g, dt) -> None:
         dk = self.d_head
-        self.q_proj = Linear(dk, dk, bias, rng=g, dtype=dt)  # one (dk, dk) for every head
+        query_proj = Linear if self._q_scale is None else functools.partial(ScaledLinear, scale=self._q_scale)
+        self.q_proj = query_proj(dk, dk, bias, rng=g, dtype=dt)  # one (dk, dk) for every head
         self.k_proj = Linear(dk, dk, bias, rng=g, dtype=dt)
         self.v_proj = Linear(dk, dk, bias, rng=g, dtype=dt)
 
-    def _heads(self, proj: Linear, x: np.ndarray) -> np.ndarray:
-        return proj(self._split(x))  # split (B, H, T, dk), then the shared projection on the last axis
+    def forward(self, query: np.ndarray, key: np.ndarray, value: np.ndarray, mask: np.ndarray | None = None):
+        q = self.q_proj(self._split(query))  # split (B, H, Tq, dk), then the shared projection on the last axis
+        k = self.k_proj(self._split(key))  # (B, H, Tk, dk)
+        v = self.v_proj(self._split(value))  # (B, H, Tk, dk)
+        return self.out_proj(self._merge(self._attend(q, k, v, mask)))  # (B, Tq, d)
 
-    def _heads_backward(self, proj: Linear, grad: np.ndarray) -> np.ndarray:
-        return self._merge(proj.backward(grad))  # the shared weight's gradient sums over the heads
+    def backward(self, grad_out: np.ndarray):
+        saved = self._saved()
+        d_ctx = self._split(self.out_proj.backward(grad_out))  # (B, H, Tq, dk)
+        dq, dk, dv = self._attend_backward(d_ctx, saved)
+        projs = ((self.q_proj, dq), (self.k_proj, dk), (self.v_proj, dv))
+        return tuple(self._merge(proj.backward(g)) for proj, g in projs)  # a shared weight's gradient: over the heads
+
+    def forward_step(self, query, key, value, cache: dict, mask=None, *, static: bool = False) -> np.ndarray:
+        """`MultiHeadAttention.forward_step` with the shared projections, after the split."""
+        if not (static and "k" in cache):
+            k, v = self.k_proj(self._split(key)), self.v_proj(self._split(value))  # (B, H, Tn or S, dk)
+            if static:
+                cache["k"], cache["v"] = k, v
+            else:
+                cache_append(cache, "k", k, axis=2)
+                cache_append(cache, "v", v, axis=2)
+        ctx = self._attend(self.q_proj(self._split(query)), cache["k"], cache["v"], mask)  # (B, H, Tn, dk)
+        self._cache = None  # nothing for a backward
+        return self.out_proj(self._merge(ctx))  # (B, Tn, d)
 
 
 def make_attention(head_projection: str, d_model: int, n_heads: int, dropout: float = 0.0, **kwargs):
@@ -413,14 +390,9 @@ def make_attention(head_projection: str, d_model: int, n_heads: int, dropout: fl
     return cls(d_model, n_heads, dropout, **kwargs)
 
 
-def flash_heads(owner: str, module, q, k, v, mask):
-    """`flash_attention(q, k, v, mask)` in tiles of `module.block_size`: (out, lse). The tiled kernel has no dropout
-    on the weights, so a module training with attention dropout is refused rather than silently trained without."""
-    _refuse_flash_dropout(owner, module)
-    return flash_attention(q, k, v, mask, block_size=module.block_size)
-
-
-def _refuse_flash_dropout(owner: str, module) -> None:
+def refuse_flash_dropout(owner: str, module) -> None:
+    """The tiled kernel has no dropout on the weights: a module training with attention dropout is refused rather
+    than silently trained without."""
     if module.attention == "flash" and module.training and module.dropout.p > 0:
         raise ValueError(
             f"{owner}: attention='flash' has no dropout on the attention weights, got dropout="
@@ -429,38 +401,36 @@ def _refuse_flash_dropout(owner: str, module) -> None:
 
 
 def check_attention_call(owner: str, module, batch: int, tq: int, tk: int, mask, cache: dict | None = None) -> None:
-    """What an attention module checks before it projects, caches or stores anything, so that a refused call
-    changes nothing (a backward after it still differentiates the last good forward): the mask against the scores'
-    shape (B, H, Tq, Tk), the rows of a decoding cache, and the tiled kernel's refusal of attention dropout."""
+    """What an attention module checks at its door, before it projects, caches or stores anything, so that a refused
+    call changes nothing (a backward after it still differentiates the last good forward): the mask against the
+    scores' shape (B, H, Tq, Tk), the rows of a decoding cache, and the tiled kernel's refusal of attention dropout."""
     if cache is not None and "k" in cache and cache["k"].shape[0] != batch:
         raise ValueError(
             f"{owner}: the cache holds {cache['k'].shape[0]} rows, the input has {batch}; start a new cache for a "
             "new batch (or reorder it with reorder_cache)"
         )
     if mask is not None:
-        _check_mask(mask, (batch, module.n_heads, tq, tk))
-    _refuse_flash_dropout(owner, module)
+        check_mask(mask, (batch, module.n_heads, tq, tk))
+    refuse_flash_dropout(owner, module)
 
 
-def check_attention(owner: str, attention, block_size) -> tuple[str, int]:
-    """The attention option: "explicit" (weights formed, kept for inspection) or "flash" (tiled), and its block."""
+def check_attention(owner: str, attention, tile_size) -> tuple[str, int]:
+    """The attention option: "explicit" (weights formed, kept for inspection) or "flash" (tiled), and its tile."""
     if attention == "sdpa":  # the torch track's third choice, named so that the refusal says where it lives
         raise ValueError(f"{owner}: attention='sdpa' (torch.nn.functional.scaled_dot_product_attention) exists in "
                          f"tfm_torch only; tfm_numpy has attention in {ATTENTION}")  # fmt: skip
-    return check_choice(owner, "attention", attention, ATTENTION), check_size(owner, "block_size", block_size)
+    return check_choice(owner, "attention", attention, ATTENTION), check_size(owner, "tile_size", tile_size)
 
 
-def use_attention(model, attention: str = "explicit", block_size: int = 64):
-    """Switch every MultiHeadAttention and GroupedQueryAttention (the GPT's) inside `model` to `attention`
-    ("explicit" or "flash") with `block_size`; returns the model. The weights are untouched: only how the heads
-    compute softmax(q k^T / sqrt(dk)) v."""
-    from .modern import GroupedQueryAttention  # here, not at the top: modern imports this module
-
-    attention, block_size = check_attention("use_attention", attention, block_size)
+def use_attention(model, attention: str = "explicit", tile_size: int = 64):
+    """Switch every attention module inside `model` (each `AttentionImpl`: MultiHeadAttention, the GPT's
+    GroupedQueryAttention) to `attention` ("explicit" or "flash") with `tile_size`; returns the model. The weights
+    are untouched: only how the heads compute softmax(q k^T / sqrt(dk)) v."""
+    attention, tile_size = check_attention("use_attention", attention, tile_size)
     switched = 0
     for _, m in model.named_modules():
-        if isinstance(m, (MultiHeadAttention, GroupedQueryAttention)):
-            m.attention, m.block_size, m.tile_size = attention, block_size, block_size
+        if isinstance(m, AttentionImpl):
+            m.attention, m.tile_size = attention, tile_size
             switched += 1
     if not switched:  # nothing would change: say so rather than return the model as it was
         raise ValueError(f"use_attention: {type(model).__name__} has no attention module to switch to {attention!r}")

@@ -2,7 +2,7 @@
 
 The explicit attention (`scaled_dot_product_attention`) forms the scores S = Q K^T / sqrt(dk) and the weights
 P = softmax(S), two (..., Tq, Tk) arrays: memory quadratic in the length. Here the keys and values are read in
-blocks of `block_size`; for each block of queries a running row max m, a running sum l and an unnormalized
+tiles of `tile_size`; for each block of queries a running row max m, a running sum l and an unnormalized
 output acc are kept (the online softmax), and only one (..., Br, Bc) tile of scores exists at a time:
 
     m' = max(m, rowmax(S_ij))        l' = exp(m - m') l + rowsum(exp(S_ij - m'))
@@ -22,16 +22,17 @@ attend to gives a zero output row and zero gradients, as the explicit attention 
 
 from __future__ import annotations
 
+import collections
 import math
 
 import numpy as np
 
 from tfm_common.validate import check_size
 
-from . import attention as _attention  # its checks, read at call time (attention imports this module)
-from .module import check_grad
+from .masks import check_qkv
+from .module import at_the_door, check_grad
 
-__all__ = ["flash_attention", "flash_attention_backward"]
+__all__ = ["flash_attention", "flash_attention_backward", "flash_attention_counts"]
 
 
 def _tiles(n: int, size: int) -> list[slice]:
@@ -46,21 +47,15 @@ def _mask_tile(mask, rows: slice, cols: slice):
     return mask[..., rows if mask.shape[-2] > 1 else slice(None), cols if mask.shape[-1] > 1 else slice(None)]
 
 
-def _prepare(name: str, q, k, v, mask, block_size):
-    """Checks shared by forward and backward; the mask made at least 2-D so that its tiles can be sliced."""
-    _attention._check_qkv(q, k, v)
-    block = check_size(name, "block_size", block_size)
+def _prepare(name: str, q, k, v, mask, tile_size):
+    """Checks shared by forward and backward (a module's door has made them); the mask made at least 2-D so that its
+    tiles can be sliced."""
+    if at_the_door():
+        check_qkv(q, k, v, mask=mask)
+    tile = check_size(name, "tile_size", tile_size)
     if mask is not None:
-        _attention._check_mask(mask, (*q.shape[:-1], k.shape[-2]))
         mask = mask.reshape((1,) * (2 - mask.ndim) + mask.shape)
-    return block, mask
-
-
-def _count(stats: dict | None, **counts) -> None:
-    """Add to the optional I/O counters (elements read or written per tensor, tiles computed or skipped)."""
-    if stats is not None:
-        for key, n in counts.items():
-            stats[key] = stats.get(key, 0) + n
+    return tile, mask
 
 
 def _scores(q_i, k_j, scale: float, m_ij):
@@ -72,38 +67,33 @@ def _scores(q_i, k_j, scale: float, m_ij):
     return s
 
 
-def flash_attention(q, k, v, mask=None, *, block_size: int = 64, stats: dict | None = None):
-    """softmax(q k^T / sqrt(dk)) v in tiles of `block_size` queries x `block_size` keys, never forming (Tq, Tk).
+def flash_attention(q, k, v, mask=None, *, tile_size: int = 64):
+    """softmax(q k^T / sqrt(dk)) v in tiles of `tile_size` queries x `tile_size` keys, never forming (Tq, Tk).
 
     q (..., Tq, dk), k (..., Tk, dk), v (..., Tk, dv); mask boolean, True = may attend, broadcasting to
     (..., Tq, Tk). Returns (out (..., Tq, dv), lse (..., Tq)): lse is the log-sum-exp of each row's allowed scores,
     what the backward needs instead of the weights (-inf, and out = 0, for a row with nothing to attend to).
-    `stats`, if a dict, counts the elements of Q, K, V read and of O written, and the tiles computed and skipped.
     """
-    block, mask = _prepare("flash_attention", q, k, v, mask, block_size)
+    tile, mask = _prepare("flash_attention", q, k, v, mask, tile_size)
     scale = 1.0 / math.sqrt(q.shape[-1])  # a python float: float32 stays float32
     out = np.empty((*q.shape[:-1], v.shape[-1]), dtype=q.dtype)  # (..., Tq, dv)
     lse = np.empty(q.shape[:-1], dtype=q.dtype)  # (..., Tq)
-    for rows in _tiles(q.shape[-2], block):
+    for rows in _tiles(q.shape[-2], tile):
         q_i = q[..., rows, :]  # (..., Br, dk): read once
-        _count(stats, q=q_i.size)
-        out[..., rows, :], lse[..., rows] = _forward_rows(q_i, k, v, mask, rows, block, scale, stats)
-        _count(stats, o=q_i.shape[-2] * v.shape[-1] * math.prod(q.shape[:-2]))
+        out[..., rows, :], lse[..., rows] = _forward_rows(q_i, k, v, mask, rows, tile, scale)
     return out, lse
 
 
-def _forward_rows(q_i, k, v, mask, rows: slice, block: int, scale: float, stats):
+def _forward_rows(q_i, k, v, mask, rows: slice, tile: int, scale: float):
     """One block of queries against every block of keys: the online softmax. Returns (out_i, lse_i)."""
     m = np.full((*q_i.shape[:-1], 1), -np.inf, dtype=q_i.dtype)  # (..., Br, 1): the row max so far
     l = np.zeros_like(m)  # (..., Br, 1): sum of exp(s - m) so far  # noqa: E741
     acc = np.zeros((*q_i.shape[:-1], v.shape[-1]), dtype=q_i.dtype)  # (..., Br, dv): sum of exp(s - m) v so far
-    for cols in _tiles(k.shape[-2], block):
+    for cols in _tiles(k.shape[-2], tile):
         m_ij = _mask_tile(mask, rows, cols)
         if m_ij is not None and not m_ij.any():  # nothing allowed in this tile (causal: above the diagonal)
-            _count(stats, tiles_skipped=1)
             continue
         k_j, v_j = k[..., cols, :], v[..., cols, :]  # (..., Bc, dk), (..., Bc, dv)
-        _count(stats, k=k_j.size, v=v_j.size, tiles=1)
         s = _scores(q_i, k_j, scale, m_ij)  # (..., Br, Bc)
         m_new = np.maximum(m, s.max(axis=-1, keepdims=True))
         shift = np.where(np.isfinite(m_new), m_new, 0)  # a row with nothing allowed yet: any finite shift
@@ -121,13 +111,13 @@ def _forward_rows(q_i, k, v, mask, rows: slice, block: int, scale: float, stats)
     return out_i, lse_i[..., 0]
 
 
-def flash_attention_backward(grad_out, q, k, v, out, lse, mask=None, *, block_size: int = 64, stats=None):
+def flash_attention_backward(grad_out, q, k, v, out, lse, mask=None, *, tile_size: int = 64):
     """Backward of `flash_attention`: (dq, dk, dv) from dL/dout (..., Tq, dv), the forward's inputs, its out and lse.
 
     The weights are not stored: each tile's P = exp(S - lse) is recomputed (FlashAttention-2). `mask` and
-    `block_size` as in the forward (any block size gives the same gradients, to rounding).
+    `tile_size` as in the forward (any tile size gives the same gradients, to rounding).
     """
-    block, mask = _prepare("flash_attention_backward", q, k, v, mask, block_size)
+    tile, mask = _prepare("flash_attention_backward", q, k, v, mask, tile_size)
     check_grad("flash_attention", grad_out, out.shape, q.dtype)
     if not isinstance(lse, np.ndarray) or lse.shape != q.shape[:-1] or lse.dtype != q.dtype:
         got = f"shape {lse.shape}, dtype {lse.dtype}" if isinstance(lse, np.ndarray) else type(lse).__name__
@@ -136,16 +126,13 @@ def flash_attention_backward(grad_out, q, k, v, out, lse, mask=None, *, block_si
     big_d = (grad_out * out).sum(axis=-1, keepdims=True)  # (..., Tq, 1): D_i = rowsum(dO * O) = rowsum(dP * P)
     lse_safe = np.where(np.isfinite(lse), lse, 0)[..., None]  # (..., Tq, 1); rows with lse = -inf have P = 0
     dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
-    for cols in _tiles(k.shape[-2], block):  # outer loop over keys: dK_j, dV_j accumulate in one place
+    for cols in _tiles(k.shape[-2], tile):  # outer loop over keys: dK_j, dV_j accumulate in one place
         k_j, v_j = k[..., cols, :], v[..., cols, :]
-        _count(stats, k=k_j.size, v=v_j.size)
-        for rows in _tiles(q.shape[-2], block):
+        for rows in _tiles(q.shape[-2], tile):
             m_ij = _mask_tile(mask, rows, cols)
             if m_ij is not None and not m_ij.any():
-                _count(stats, tiles_skipped=1)
                 continue
             q_i, do_i = q[..., rows, :], grad_out[..., rows, :]
-            _count(stats, q=q_i.size, do=do_i.size, tiles=1)
             s = _scores(q_i, k_j, scale, m_ij)  # (..., Br, Bc)
             s -= lse_safe[..., rows, :]
             p = np.exp(s, out=s)  # the forward's weights of this tile, recomputed
@@ -157,3 +144,28 @@ def flash_attention_backward(grad_out, q, k, v, out, lse, mask=None, *, block_si
             dq[..., rows, :] += ds @ k_j  # (..., Br, Bc) @ (..., Bc, dk)
             dk[..., cols, :] += np.swapaxes(ds, -1, -2) @ q_i  # (..., Bc, Br) @ (..., Br, dk)
     return dq, dk, dv
+
+
+class _CountedReads(np.ndarray):
+    """A view of q, k or v that counts every slice taken from it: `counts[name]` elements in `counts[name, "slices"]`
+    slices. The tiled loops read their inputs only by slicing, so this measures what they read."""
+
+    def __getitem__(self, index):
+        part = super().__getitem__(index).view(np.ndarray)
+        self.counts[self.name] += part.size
+        self.counts[self.name, "slices"] += 1
+        return part
+
+
+def flash_attention_counts(q, k, v, mask=None, *, tile_size: int = 64) -> dict[str, int]:
+    """Runs `flash_attention` and counts what it reads and writes: the elements of q, k, v read and of the output
+    written (each once), and the tiles computed (each reads one block of keys) and skipped."""
+    counts = collections.Counter()
+    views = [np.asarray(x).view(_CountedReads) for x in (q, k, v)]
+    for view, name in zip(views, "qkv", strict=True):
+        view.counts, view.name = counts, name
+    out, _ = flash_attention(*views, mask, tile_size=tile_size)
+    tiles = counts["k", "slices"]
+    every = math.ceil(q.shape[-2] / tile_size) * math.ceil(k.shape[-2] / tile_size)
+    return {"q": counts["q"], "k": counts["k"], "v": counts["v"], "o": out.size, "tiles": tiles,
+            "tiles_skipped": every - tiles}  # fmt: skip

@@ -15,8 +15,9 @@ from tfm_common.gpt_config import as_numpy_rng, check_gpt_config, check_sampling
 from tfm_common.training import eval_mode
 from tfm_common.validate import check_size
 
-from .attention import causal_mask, check_attention, use_attention
+from .attention import check_attention, use_attention
 from .layers import Dropout, Embedding, LayerNorm, Linear
+from .masks import causal_mask
 from .modern import GroupedQueryAttention, RMSNorm, RotaryEmbedding, SwiGLUFeedForward, swiglu_hidden_size
 from .module import Module, ModuleList, as_rng, check_dtype, check_grad, check_indices
 from .positional import LearnedPositionalEmbedding, PositionalEncoding

@@ -7,14 +7,11 @@ Shapes: `(B, T, d_model)` activations; per head `(B, H, T, d_head)`. Masks are b
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import numpy as np
 
 from tfm_common.validate import check_real, check_size, check_sizes
 
-from .attention import attention_weights, attention_weights_backward, check_attention, check_attention_call
-from .flash import flash_attention, flash_attention_backward
+from .attention import AttentionImpl, check_attention, check_attention_call
 from .kv_cache import cache_append
 from .layers import Dropout, Linear
 from .module import Module, Parameter, as_rng, check_dtype, check_input
@@ -223,15 +220,7 @@ def repeat_kv(x: np.ndarray, n_rep: int) -> np.ndarray:
     return x if n_rep == 1 else np.repeat(x, n_rep, axis=1)
 
 
-class _FlashState(NamedTuple):
-    """What the tiled kernel keeps for its backward: its output and log-sum-exp (the weights are not kept)."""
-
-    ctx: np.ndarray
-    lse: np.ndarray
-    mask: np.ndarray | None
-
-
-class GroupedQueryAttention(Module):
+class GroupedQueryAttention(AttentionImpl, Module):
     """Causal-or-not self-attention with n_kv_heads key/value heads shared by n_heads query heads (Ainslie et al.,
     2023); n_kv_heads = n_heads is multi-head attention, 1 is multi-query attention (Shazeer, 2019).
 
@@ -321,15 +310,15 @@ class GroupedQueryAttention(Module):
         q, k, v = self._project(x, offset)
         n_rep = self.n_heads // self.n_kv_heads
         k_rep, v_rep = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # (B, H, T, dh): each kv head to its query heads
-        ctx, saved = self._attend(q, k_rep, v_rep, mask)  # (B, H, T, dh): softmax(q k^T / sqrt(dh)) v, per head
-        self._cache = (q, k_rep, v_rep, saved, offset)
+        ctx = self._attend(q, k_rep, v_rep, mask)  # (B, H, T, dh): softmax(q k^T / sqrt(dh)) v, per head
+        self.offset = offset  # where RoPE rotated: the backward rotates back there
         return self.out_proj(self._merge(ctx))  # (B, T, d)
 
     def backward(self, grad_out: np.ndarray) -> np.ndarray:
-        q, k_rep, v_rep, saved, offset = self._saved()
+        saved = self._saved()
         d_ctx = self._split(self.out_proj.backward(grad_out), self.n_heads)  # (B, H, T, dh)
-        dq, dk_rep, dv_rep = self._attend_backward(d_ctx, q, k_rep, v_rep, saved)
-        return self._heads_backward(dq, dk_rep, dv_rep, offset)
+        dq, dk_rep, dv_rep = self._attend_backward(d_ctx, saved)
+        return self._heads_backward(dq, dk_rep, dv_rep, self.offset)
 
     def _heads_backward(self, dq, dk_rep, dv_rep, offset: int) -> np.ndarray:
         """From the gradients of the heads' q (B, H, T, dh) and repeated k, v to dx (B, T, d)."""
@@ -353,47 +342,12 @@ class GroupedQueryAttention(Module):
         positions start at T (the cache's length), where RoPE rotates them. `mask` covers all keys so far,
         (B or 1, 1, Tn, T + Tn)."""
         q, k, v = self._project(x, cache["k"].shape[2] if "k" in cache else 0)
-        self._cache = None  # nothing for a backward: one after this step is an error, not a wrong gradient
         k = cache_append(cache, "k", k, axis=2)  # (B, Hkv, T + Tn, dh): the un-repeated heads are what is stored
         v = cache_append(cache, "v", v, axis=2)
         n_rep = self.n_heads // self.n_kv_heads
-        ctx, _ = self._attend(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), mask)  # (B, H, Tn, dh)
+        ctx = self._attend(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), mask)  # (B, H, Tn, dh)
+        self._cache = None  # nothing for a backward: one after this step is an error, not a wrong gradient
         return self.out_proj(self._merge(ctx))
-
-    # -- how the heads attend: the weights formed (chapter 6), or in tiles (chapter 15b) -----------------------------
-
-    def _attend(self, q, k, v, mask):
-        """softmax(q k^T / sqrt(dh)) v of q (B, H, Tq, dh), k, v (B, H, Tk, dh): (ctx, what its backward needs)."""
-        return self._attend_flash(q, k, v, mask) if self.attention == "flash" else self._attend_explicit(q, k, v, mask)
-
-    def _attend_backward(self, d_ctx, q, k, v, saved):
-        """dq, dk, dv from d_ctx (B, H, Tq, dh), by the kernel the forward ran."""
-        if isinstance(saved, _FlashState):
-            return self._attend_flash_backward(d_ctx, q, k, v, saved)
-        return self._attend_explicit_backward(d_ctx, q, k, v, saved)
-
-    def _attend_explicit(self, q, k, v, mask):
-        p = attention_weights(q, k, mask)  # (B, H, Tq, Tk)
-        p_drop = self.dropout(p)
-        self.attn_weights = p
-        return p_drop @ v, (p, p_drop)
-
-    def _attend_explicit_backward(self, d_ctx, q, k, v, saved):
-        p, p_drop = saved
-        dv = np.swapaxes(p_drop, -1, -2) @ d_ctx  # (B, H, Tk, dh)
-        dp = self.dropout.backward(d_ctx @ np.swapaxes(v, -1, -2))  # (B, H, Tq, Tk)
-        dq, dk = attention_weights_backward(dp, q, k, p)
-        return dq, dk, dv
-
-    def _attend_flash(self, q, k, v, mask):
-        # the tiled kernel has no attention dropout: refused in training (no mask, no cache: only that is checked)
-        check_attention_call("GroupedQueryAttention", self, len(q), q.shape[2], k.shape[2], None)
-        ctx, lse = flash_attention(q, k, v, mask, block_size=self.tile_size)  # (B, H, Tq, dh), (B, H, Tq)
-        self.attn_weights = None
-        return ctx, _FlashState(ctx, lse, mask)
-
-    def _attend_flash_backward(self, d_ctx, q, k, v, saved):
-        return flash_attention_backward(d_ctx, q, k, v, saved.ctx, saved.lse, saved.mask, block_size=self.tile_size)
 
     def extra_repr(self) -> str:
         rope = ", rotary" if self.rotary is not None else ""

@@ -97,6 +97,12 @@ def inner_calls():
         _CALLS.depth = depth
 
 
+def at_the_door() -> bool:
+    """Whether no Module entry point is running: the caller is outside the library, so a public function (say
+    `attention_weights`) checks its arguments; inside a module's forward, that module's door has checked them."""
+    return _depth() == 0
+
+
 def _at_the_door(method, kept: tuple[str, ...] | None):
     name, names = method.__name__, list(inspect.signature(method).parameters)[1:]  # without self
 

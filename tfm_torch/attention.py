@@ -1,12 +1,11 @@
 """Attention, PyTorch track: the same functions, class, arguments and state_dict keys as tfm_numpy.attention.
 
-Autograd does the backward. Masks are boolean, True = "may attend" (the opposite of
-`torch.nn.MultiheadAttention`'s `attn_mask` / `key_padding_mask`; the same as the boolean `attn_mask`
-of `torch.nn.functional.scaled_dot_product_attention`).
+Autograd does the backward. Masks (boolean, True = "may attend") are made and checked in `masks`.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -18,15 +17,15 @@ from tfm_common.validate import check_choice, check_size, check_sizes
 from .flash import flash_attention
 from .kv_cache import cache_append
 from .layers import Dropout, Linear
-from .module import Module, _autocast_dtype, as_generator, check_dtype, check_input
+from .masks import check_mask, check_qkv
+from .module import Module, as_generator, at_the_door, check_dtype, check_input
 
 __all__ = [
     "attention_weights",
     "scaled_dot_product_attention",
-    "padding_mask",
-    "causal_mask",
-    "decoder_mask",
+    "AttentionImpl",
     "MultiHeadAttention",
+    "ScaledLinear",
     "SharedHeadProjectionAttention",
     "make_attention",
     "ATTENTION",
@@ -43,46 +42,6 @@ ATTENTION = ("explicit", "flash", "sdpa")
 # -- scaled dot-product attention ----------------------------------------------------------------------------
 
 
-def _check_qkv(q, k, v=None) -> None:
-    """Validate the public inputs: float tensors of one dtype, q/k sizes equal, keys and values paired."""
-    name = "scaled_dot_product_attention"
-    for arg, x in (("q", q), ("k", k), ("v", v)):
-        if x is None:
-            continue
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name}: {arg} must be a torch.Tensor, got {type(x).__name__}")
-        if x.dtype not in (torch.float32, torch.float64) and not _autocast_dtype(x):
-            raise TypeError(f"{name}: {arg} must be float32 or float64, got dtype {x.dtype}")
-        if x.dtype != q.dtype:
-            raise TypeError(f"{name}: q and {arg} must share a dtype, got {q.dtype} and {x.dtype}")
-        if x.dim() < 2:
-            raise ValueError(f"{name}: {arg} must have at least 2 dimensions (T, d), got shape {tuple(x.shape)}")
-    qs, ks = tuple(q.shape), tuple(k.shape)
-    if qs[-1] != ks[-1]:
-        raise ValueError(f"{name}: q and k must have the same last dimension dk, got q {qs} and k {ks}")
-    if qs[:-2] != ks[:-2]:
-        raise ValueError(f"{name}: q and k must have the same leading dimensions, got q {qs} and k {ks}")
-    if v is not None and tuple(v.shape[:-1]) != ks[:-1]:
-        raise ValueError(
-            f"{name}: k and v must have the same shape but the last dim, got k {ks} and v {tuple(v.shape)}"
-        )
-
-
-def _check_mask(mask, scores_shape: tuple[int, ...]) -> None:
-    """A boolean tensor that broadcasts to the scores' shape (..., Tq, Tk) without growing it."""
-    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
-        got = f"dtype {mask.dtype}" if isinstance(mask, torch.Tensor) else type(mask).__name__
-        raise TypeError(f"mask: expected a boolean torch.Tensor (True = may attend), got {got}; use mask.bool()")
-    try:
-        ok = tuple(torch.broadcast_shapes(mask.shape, scores_shape)) == scores_shape
-    except RuntimeError:
-        ok = False
-    if not ok:
-        raise ValueError(
-            f"mask: shape {tuple(mask.shape)} does not broadcast to the attention scores' shape {scores_shape}"
-        )
-
-
 def attention_weights(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None = None, *, fill=None):
     """softmax(q k^T / sqrt(dk)) over the keys, masked keys left out.  q (..., Tq, dk), k (..., Tk, dk).
 
@@ -90,10 +49,9 @@ def attention_weights(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | Non
     zero gradients, never NaN), as in tfm_numpy. `fill` (-1e9, -1e4, float('-inf')) instead replaces the
     masked scores and takes a plain softmax, to show what that common recipe does to such a row.
     """
-    _check_qkv(q, k)
+    if at_the_door():  # inside a module, its door has checked q, k and the mask
+        check_qkv(q, k, mask=mask)
     scores = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))  # (..., Tq, Tk)
-    if mask is not None:
-        _check_mask(mask, tuple(scores.shape))
     if fill is not None:
         return torch.softmax(scores if mask is None else scores.masked_fill(~mask, fill), dim=-1)
     if mask is not None:
@@ -110,54 +68,56 @@ def scaled_dot_product_attention(q, k, v, mask=None, *, fill=None):
 
     Returns (output (..., Tq, dv), weights (..., Tq, Tk)).
     """
-    _check_qkv(q, k, v)
+    check_qkv(q, k, v)
     weights = attention_weights(q, k, mask, fill=fill)  # (..., Tq, Tk)
     return weights @ v, weights  # (..., Tq, dv)
-
-
-# -- masks ---------------------------------------------------------------------------------------------------
-
-
-def padding_mask(tokens: torch.Tensor, pad_id: int) -> torch.Tensor:
-    """(B, T) integer tokens -> (B, 1, 1, T) torch.bool, True where the token is real (not `pad_id`)."""
-    if (
-        not isinstance(tokens, torch.Tensor)
-        or tokens.dim() != 2
-        or tokens.is_floating_point()
-        or tokens.is_complex()
-        or tokens.dtype == torch.bool
-    ):
-        got = f"shape {tuple(tokens.shape)}, {tokens.dtype}" if isinstance(tokens, torch.Tensor) else type(tokens)
-        raise ValueError(f"padding_mask: tokens must be a (B, T) integer tensor, got {got}")
-    return (tokens != pad_id)[:, None, None, :]
-
-
-def causal_mask(T: int, device=None) -> torch.Tensor:
-    """(1, 1, T, T) torch.bool, lower triangular: query i may attend to keys 0..i."""
-    if T < 1:
-        raise ValueError(f"causal_mask: T must be positive, got {T}")
-    return torch.ones(T, T, dtype=torch.bool, device=device).tril()[None, None]
-
-
-def decoder_mask(tgt_tokens: torch.Tensor, pad_id: int) -> torch.Tensor:
-    """The decoder's self-attention mask: causal AND not padding. (B, T) tokens -> (B, 1, T, T) torch.bool."""
-    return padding_mask(tgt_tokens, pad_id) & causal_mask(tgt_tokens.shape[1], device=tgt_tokens.device)
 
 
 # -- multi-head attention ------------------------------------------------------------------------------------
 
 
-class MultiHeadAttention(Module):
+class AttentionImpl:
+    """How an attention module's heads compute softmax(q k^T / sqrt(dk)) v, as tfm_numpy's: `attention="explicit"`
+    forms the weights (kept, detached, in `attn_weights`; dropout on them), "flash" runs chapter 15b's tiled kernel
+    in tiles of `tile_size`, "sdpa" torch.nn.functional.scaled_dot_product_attention (its fused kernels on a GPU;
+    dropout on the weights from torch's global generator, not `rng`). `use_attention` switches every module deriving
+    from this class. Such a module has `dropout` (a Dropout) and `attn_weights`, sets `attention` and `tile_size`
+    with `check_attention`, and calls `ctx = self._attend(q, k, v, mask)` in its forward."""
+
+    attention: str
+    tile_size: int
+
+    def _attend(self, q, k, v, mask) -> torch.Tensor:
+        """q (B, H, Tq, dk), k (B, H, Tk, dk), v (B, H, Tk, dv) -> the heads' output (B, H, Tq, dv)."""
+        attend = {"flash": self._attend_flash, "sdpa": self._attend_sdpa}.get(self.attention, self._attend_explicit)
+        return attend(q, k, v, mask)
+
+    def _attend_explicit(self, q, k, v, mask) -> torch.Tensor:
+        p = attention_weights(q, k, mask)  # (B, H, Tq, Tk)
+        self.attn_weights = p.detach()
+        return self.dropout(p) @ v  # (B, H, Tq, dv)
+
+    def _attend_flash(self, q, k, v, mask) -> torch.Tensor:
+        refuse_flash_dropout(type(self).__name__, self)
+        self.attn_weights = None
+        return flash_attention(q, k, v, mask, tile_size=self.tile_size)[0]  # (B, H, Tq, dv); lse is not needed
+
+    def _attend_sdpa(self, q, k, v, mask) -> torch.Tensor:
+        self.attn_weights = None
+        p = self.dropout.p if self.training else 0.0
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)  # (B, H, Tq, dv)
+
+
+class MultiHeadAttention(AttentionImpl, Module):
     """Multi-head attention, the twin of tfm_numpy.MultiHeadAttention (same submodules, same keys).
 
     forward(query (B, Tq, d), key (B, Tk, d), value (B, Tk, d), mask) -> (B, Tq, d); `attn_weights` keeps
     the last softmax weights (B, H, Tq, Tk), detached, before dropout. attention="flash" computes the heads with
-    `flash_attention` in tiles of `block_size` (its hand-written backward; `attn_weights` stays None; no dropout
+    `flash_attention` in tiles of `tile_size` (its hand-written backward; `attn_weights` stays None; no dropout
     on the weights, so training with dropout > 0 is refused), as in tfm_numpy. attention="sdpa" (this track only)
     calls torch.nn.functional.scaled_dot_product_attention with the same mask (its fused kernels on a GPU; a row
-    with nothing to attend to gives zeros, as here; dropout on the weights from torch's global generator, not
-    `rng`; `attn_weights` stays None). score_scale="d_model" divides the
-    scores by sqrt(d_model) instead of sqrt(dk) (the queries times 1/sqrt(H)), as in tfm_numpy.
+    with nothing to attend to gives zeros, as here; `attn_weights` stays None). score_scale="d_model" divides the
+    scores by sqrt(d_model) instead of sqrt(dk) (a `ScaledLinear` query projection: times 1/sqrt(H)), as in tfm_numpy.
     """
 
     def __init__(
@@ -168,7 +128,7 @@ class MultiHeadAttention(Module):
         bias: bool = True,
         *,
         attention: str = "explicit",
-        block_size: int = 64,
+        tile_size: int = 64,
         score_scale: str = "d_k",
         rng=None,
         dtype=None,
@@ -179,7 +139,7 @@ class MultiHeadAttention(Module):
         if d_model % n_heads != 0:
             raise ValueError(f"{owner}: d_model={d_model} must be divisible by n_heads={n_heads}")
         self.d_model, self.n_heads, self.d_head = d_model, n_heads, d_model // n_heads
-        self.attention, self.block_size = check_attention(owner, attention, block_size)
+        self.attention, self.tile_size = check_attention(owner, attention, tile_size)
         self.score_scale = check_choice(owner, "score_scale", score_scale, SCORE_SCALES)
         self._q_scale = None if score_scale == "d_k" else 1.0 / math.sqrt(n_heads)
         dt, g = check_dtype(dtype), as_generator(rng)
@@ -189,17 +149,10 @@ class MultiHeadAttention(Module):
         self.attn_weights: torch.Tensor | None = None
 
     def _make_projections(self, d_model: int, bias: bool, g, dt) -> None:
-        self.q_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
+        query_proj = Linear if self._q_scale is None else functools.partial(ScaledLinear, scale=self._q_scale)
+        self.q_proj = query_proj(d_model, d_model, bias, rng=g, dtype=dt)
         self.k_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
         self.v_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
-
-    def _heads(self, proj: Linear, x: torch.Tensor) -> torch.Tensor:
-        """(B, T, d) -> (B, H, T, dk): project, then split."""
-        return self._split(proj(x))
-
-    def _queries(self, query: torch.Tensor) -> torch.Tensor:
-        q = self._heads(self.q_proj, query)  # (B, H, Tq, dk)
-        return q if self._q_scale is None else q * self._q_scale
 
     def _split(self, x: torch.Tensor) -> torch.Tensor:
         """(B, T, d) -> (B, H, T, dk)."""
@@ -211,7 +164,18 @@ class MultiHeadAttention(Module):
         B, _, T, _ = x.shape
         return x.transpose(1, 2).reshape(B, T, self.d_model)
 
-    def _check(self, query, key, value) -> None:
+    def _check_forward(self, query, key, value, mask=None) -> None:
+        """At the door, before anything is projected, cached or stored (a refused call changes nothing)."""
+        self._check_inputs(query, key, value)
+        check_attention_call("MultiHeadAttention", self, query.shape[0], query.shape[1], key.shape[1], mask)
+
+    def _check_forward_step(self, query, key, value, cache: dict, mask=None, *, static: bool = False) -> None:
+        self._check_inputs(query, key, value)
+        cached = cache["k"].shape[2] if "k" in cache else 0  # positions (or, static, memory keys) already there
+        keys = cached if static and "k" in cache else cached + key.shape[1]
+        check_attention_call("MultiHeadAttention", self, query.shape[0], query.shape[1], keys, mask, cache)
+
+    def _check_inputs(self, query, key, value) -> None:
         dt = self.q_proj.weight.dtype
         for arg, x in (("query", query), ("key", key), ("value", value)):
             check_input(f"MultiHeadAttention: {arg}", x, last_dim=self.d_model, dtype=dt)
@@ -225,17 +189,10 @@ class MultiHeadAttention(Module):
             raise ValueError(f"MultiHeadAttention: key and value lengths differ: {shapes}")
 
     def forward(self, query, key, value, mask=None) -> torch.Tensor:
-        self._check(query, key, value)
-        check_attention_call("MultiHeadAttention", self, query.shape[0], query.shape[1], key.shape[1], mask)
-        q = self._queries(query)  # (B, H, Tq, dk)
-        k = self._heads(self.k_proj, key)  # (B, H, Tk, dk)
-        v = self._heads(self.v_proj, value)  # (B, H, Tk, dk)
-        if self.attention != "explicit":
-            self.attn_weights = None
-            return self.out_proj(self._merge(self._fused(q, k, v, mask)))
-        p = attention_weights(q, k, mask)  # (B, H, Tq, Tk)
-        self.attn_weights = p.detach()
-        ctx = self.dropout(p) @ v  # (B, H, Tq, dk)
+        q = self._split(self.q_proj(query))  # (B, H, Tq, dk)
+        k = self._split(self.k_proj(key))  # (B, H, Tk, dk)
+        v = self._split(self.v_proj(value))  # (B, H, Tk, dk)
+        ctx = self._attend(q, k, v, mask)  # (B, H, Tq, dk): softmax(q k^T / sqrt(dk)) v in every head
         return self.out_proj(self._merge(ctx))  # (B, Tq, d)
 
     def forward_step(self, query, key, value, cache: dict, mask=None, *, static: bool = False) -> torch.Tensor:
@@ -243,35 +200,33 @@ class MultiHeadAttention(Module):
         static=False (self-attention) appends the new positions' keys and values to cache["k"], cache["v"]
         (B, H, T, dk), in place in preallocated buffers (see `cache_append`); static=True (cross-attention)
         projects the memory on the first call only."""
-        self._check(query, key, value)
-        cached = cache["k"].shape[2] if "k" in cache else 0  # positions (or, static, memory keys) already there
-        keys = cached if static and "k" in cache else cached + key.shape[1]
-        check_attention_call("MultiHeadAttention", self, query.shape[0], query.shape[1], keys, mask, cache)
         if not (static and "k" in cache):
-            k = self._heads(self.k_proj, key)  # (B, H, Tn, dk), or (B, H, S, dk) for the memory
-            v = self._heads(self.v_proj, value)
+            k = self._split(self.k_proj(key))  # (B, H, Tn, dk), or (B, H, S, dk) for the memory
+            v = self._split(self.v_proj(value))
             if static:  # cross-attention: the memory's keys and values, once
                 cache["k"], cache["v"] = k, v
             else:  # self-attention: the new positions written after the earlier ones, in place (no copy of those)
                 cache_append(cache, "k", k, axis=2)
                 cache_append(cache, "v", v, axis=2)
-        q = self._queries(query)  # (B, H, Tn, dk)
-        if self.attention != "explicit":
-            return self.out_proj(self._merge(self._fused(q, cache["k"], cache["v"], mask)))
-        p = attention_weights(q, cache["k"], mask)  # (B, H, Tn, T)
-        return self.out_proj(self._merge(self.dropout(p) @ cache["v"]))  # (B, Tn, d)
-
-    def _fused(self, q, k, v, mask) -> torch.Tensor:
-        """The heads' softmax(q k^T / sqrt(dk)) v without keeping the weights: tiled ("flash") or torch's ("sdpa")."""
-        if self.attention == "sdpa":
-            p = self.dropout.p if self.training else 0.0
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)  # (B, H, Tq, dk)
-        return flash_heads("MultiHeadAttention", self, q, k, v, mask)  # (B, H, Tq, dk)
+        q = self._split(self.q_proj(query))  # (B, H, Tn, dk)
+        return self.out_proj(self._merge(self._attend(q, cache["k"], cache["v"], mask)))  # (B, Tn, d)
 
     def extra_repr(self) -> str:
-        impl = {"flash": f", attention='flash', block_size={self.block_size}", "sdpa": ", attention='sdpa'"}
+        impl = {"flash": f", attention='flash', tile_size={self.tile_size}", "sdpa": ", attention='sdpa'"}
         scale = ", score_scale='d_model'" if self.score_scale == "d_model" else ""
         return f"d_model={self.d_model}, n_heads={self.n_heads}{impl.get(self.attention, '')}{scale}"
+
+
+class ScaledLinear(Linear):
+    """A Linear whose output is multiplied by `scale`: chapter 16a's score_scale="d_model" as the query projection
+    (times 1/sqrt(H)), the twin of tfm_numpy's. Same parameters and state_dict names as a Linear."""
+
+    def __init__(self, *args, scale: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.scale = scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.scale
 
 
 class SharedHeadProjectionAttention(MultiHeadAttention):
@@ -279,12 +234,27 @@ class SharedHeadProjectionAttention(MultiHeadAttention):
 
     def _make_projections(self, d_model: int, bias: bool, g, dt) -> None:
         dk = self.d_head
-        self.q_proj = Linear(dk, dk, bias, rng=g, dtype=dt)
+        query_proj = Linear if self._q_scale is None else functools.partial(ScaledLinear, scale=self._q_scale)
+        self.q_proj = query_proj(dk, dk, bias, rng=g, dtype=dt)
         self.k_proj = Linear(dk, dk, bias, rng=g, dtype=dt)
         self.v_proj = Linear(dk, dk, bias, rng=g, dtype=dt)
 
-    def _heads(self, proj: Linear, x: torch.Tensor) -> torch.Tensor:
-        return proj(self._split(x))  # (B, H, T, dk), the shared projection on the last axis
+    def forward(self, query, key, value, mask=None) -> torch.Tensor:
+        q = self.q_proj(self._split(query))  # (B, H, Tq, dk), the shared projection on the last axis
+        k = self.k_proj(self._split(key))
+        v = self.v_proj(self._split(value))
+        return self.out_proj(self._merge(self._attend(q, k, v, mask)))  # (B, Tq, d)
+
+    def forward_step(self, query, key, value, cache: dict, mask=None, *, static: bool = False) -> torch.Tensor:
+        if not (static and "k" in cache):
+            k, v = self.k_proj(self._split(key)), self.v_proj(self._split(value))  # (B, H, Tn or S, dk)
+            if static:
+                cache["k"], cache["v"] = k, v
+            else:
+                cache_append(cache, "k", k, axis=2)
+                cache_append(cache, "v", v, axis=2)
+        ctx = self._attend(self.q_proj(self._split(query)), cache["k"], cache["v"], mask)  # (B, H, Tn, dk)
+        return self.out_proj(self._merge(ctx))  # (B, Tn, d)
 
 
 def make_attention(head_projection: str, d_model: int, n_heads: int, dropout: float = 0.0, **kwargs):
@@ -294,14 +264,9 @@ def make_attention(head_projection: str, d_model: int, n_heads: int, dropout: fl
     return cls(d_model, n_heads, dropout, **kwargs)
 
 
-def flash_heads(owner: str, module, q, k, v, mask) -> torch.Tensor:
-    """The heads' output of `flash_attention(q, k, v, mask)` in tiles of `module.block_size` (as tfm_numpy's, which
-    also returns lse): a module training with attention dropout is refused, the tiled kernel has none."""
-    _refuse_flash_dropout(owner, module)
-    return flash_attention(q, k, v, mask, block_size=module.block_size)[0]
-
-
-def _refuse_flash_dropout(owner: str, module) -> None:
+def refuse_flash_dropout(owner: str, module) -> None:
+    """The tiled kernel has no dropout on the weights: a module training with attention dropout is refused rather
+    than silently trained without."""
     if module.attention == "flash" and module.training and module.dropout.p > 0:
         raise ValueError(
             f"{owner}: attention='flash' has no dropout on the attention weights, got dropout="
@@ -310,36 +275,35 @@ def _refuse_flash_dropout(owner: str, module) -> None:
 
 
 def check_attention_call(owner: str, module, batch: int, tq: int, tk: int, mask, cache: dict | None = None) -> None:
-    """What an attention module checks before it projects, caches or stores anything, as tfm_numpy's (a refused
-    call changes nothing): the mask against the scores' shape (B, H, Tq, Tk), also for attention="sdpa", whose
-    kernel would read a float mask as an additive bias; the rows of a decoding cache; the tiled kernel's refusal of
-    attention dropout."""
+    """What an attention module checks at its door, before it projects, caches or stores anything, as tfm_numpy's (a
+    refused call changes nothing): the mask against the scores' shape (B, H, Tq, Tk), also for attention="sdpa",
+    whose kernel would read a float mask as an additive bias; the rows of a decoding cache; the tiled kernel's
+    refusal of attention dropout."""
     if cache is not None and "k" in cache and cache["k"].shape[0] != batch:
         raise ValueError(
             f"{owner}: the cache holds {cache['k'].shape[0]} rows, the input has {batch}; start a new cache for a "
             "new batch (or reorder it with reorder_cache)"
         )
     if mask is not None:
-        _check_mask(mask, (batch, module.n_heads, tq, tk))
-    _refuse_flash_dropout(owner, module)
+        check_mask(mask, (batch, module.n_heads, tq, tk))
+    refuse_flash_dropout(owner, module)
 
 
-def check_attention(owner: str, attention, block_size) -> tuple[str, int]:
+def check_attention(owner: str, attention, tile_size) -> tuple[str, int]:
     """The attention option: "explicit" (weights formed, kept for inspection), "flash" (tiled) or "sdpa" (torch's
     fused kernels; this track only), and the tile size."""
-    return check_choice(owner, "attention", attention, ATTENTION), check_size(owner, "block_size", block_size)
+    return check_choice(owner, "attention", attention, ATTENTION), check_size(owner, "tile_size", tile_size)
 
 
-def use_attention(model, attention: str = "explicit", block_size: int = 64):
-    """Switch every MultiHeadAttention and GroupedQueryAttention (the GPT's) inside `model` to `attention`
-    ("explicit", "flash" or "sdpa") with `block_size`; returns the model (as tfm_numpy.use_attention)."""
-    from .modern import GroupedQueryAttention  # here, not at the top: modern imports this module
-
-    attention, block_size = check_attention("use_attention", attention, block_size)
+def use_attention(model, attention: str = "explicit", tile_size: int = 64):
+    """Switch every attention module inside `model` (each `AttentionImpl`: MultiHeadAttention, the GPT's
+    GroupedQueryAttention) to `attention` ("explicit", "flash" or "sdpa") with `tile_size`; returns the model (as
+    tfm_numpy.use_attention)."""
+    attention, tile_size = check_attention("use_attention", attention, tile_size)
     switched = 0
     for m in model.modules():
-        if isinstance(m, (MultiHeadAttention, GroupedQueryAttention)):
-            m.attention, m.block_size, m.tile_size = attention, block_size, block_size
+        if isinstance(m, AttentionImpl):
+            m.attention, m.tile_size = attention, tile_size
             switched += 1
     if not switched:  # nothing would change: say so rather than return the model as it was
         raise ValueError(f"use_attention: {type(model).__name__} has no attention module to switch to {attention!r}")

@@ -15,7 +15,8 @@ import torch
 
 from tfm_common.validate import check_size
 
-from . import attention as _attention  # its checks, read at call time (attention imports this module)
+from .masks import check_qkv
+from .module import at_the_door
 
 __all__ = ["flash_attention", "flash_attention_backward"]
 
@@ -30,13 +31,13 @@ def _mask_tile(mask, rows: slice, cols: slice):
     return mask[..., rows if mask.shape[-2] > 1 else slice(None), cols if mask.shape[-1] > 1 else slice(None)]
 
 
-def _prepare(name: str, q, k, v, mask, block_size):
-    _attention._check_qkv(q, k, v)
-    block = check_size(name, "block_size", block_size)
+def _prepare(name: str, q, k, v, mask, tile_size):
+    if at_the_door():  # inside a module, its door has checked them
+        check_qkv(q, k, v, mask=mask)
+    tile = check_size(name, "tile_size", tile_size)
     if mask is not None:
-        _attention._check_mask(mask, (*q.shape[:-1], k.shape[-2]))
         mask = mask.reshape((1,) * (2 - mask.dim()) + tuple(mask.shape))
-    return block, mask
+    return tile, mask
 
 
 def _scores(q_i, k_j, scale: float, m_ij):
@@ -44,17 +45,17 @@ def _scores(q_i, k_j, scale: float, m_ij):
     return s if m_ij is None else s.masked_fill(~m_ij, float("-inf"))
 
 
-def _forward(q, k, v, mask, block: int):
+def _forward(q, k, v, mask, tile: int):
     """The tiled forward with the online softmax: (out (..., Tq, dv), lse (..., Tq))."""
     scale = 1.0 / math.sqrt(q.shape[-1])
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
     lse = q.new_empty(q.shape[:-1])
-    for rows in _tiles(q.shape[-2], block):
+    for rows in _tiles(q.shape[-2], tile):
         q_i = q[..., rows, :]  # (..., Br, dk)
         m = q_i.new_full((*q_i.shape[:-1], 1), float("-inf"))  # running row max
         l = q_i.new_zeros(m.shape)  # running sum of exp(s - m)  # noqa: E741
         acc = q_i.new_zeros((*q_i.shape[:-1], v.shape[-1]))  # running sum of exp(s - m) v
-        for cols in _tiles(k.shape[-2], block):
+        for cols in _tiles(k.shape[-2], tile):
             m_ij = _mask_tile(mask, rows, cols)
             if m_ij is not None and not bool(m_ij.any()):  # a tile with nothing allowed: skipped
                 continue
@@ -72,16 +73,16 @@ def _forward(q, k, v, mask, block: int):
     return out, lse
 
 
-def flash_attention_backward(grad_out, q, k, v, out, lse, mask=None, *, block_size: int = 64):
+def flash_attention_backward(grad_out, q, k, v, out, lse, mask=None, *, tile_size: int = 64):
     """(dq, dk, dv) from dL/dout, the forward's inputs, out and lse: the tiles' P recomputed from lse."""
-    block, mask = _prepare("flash_attention_backward", q, k, v, mask, block_size)
+    tile, mask = _prepare("flash_attention_backward", q, k, v, mask, tile_size)
     scale = 1.0 / math.sqrt(q.shape[-1])
     big_d = (grad_out * out).sum(dim=-1, keepdim=True)  # (..., Tq, 1): rowsum(dO * O)
     lse_safe = torch.where(torch.isfinite(lse), lse, 0.0)[..., None]  # (..., Tq, 1)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for cols in _tiles(k.shape[-2], block):
+    for cols in _tiles(k.shape[-2], tile):
         k_j, v_j = k[..., cols, :], v[..., cols, :]
-        for rows in _tiles(q.shape[-2], block):
+        for rows in _tiles(q.shape[-2], tile):
             m_ij = _mask_tile(mask, rows, cols)
             if m_ij is not None and not bool(m_ij.any()):
                 continue
@@ -96,25 +97,25 @@ def flash_attention_backward(grad_out, q, k, v, out, lse, mask=None, *, block_si
 
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mask, block):
-        out, lse = _forward(q, k, v, mask, block)
+    def forward(ctx, q, k, v, mask, tile):
+        out, lse = _forward(q, k, v, mask, tile)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.mask, ctx.block = mask, block
+        ctx.mask, ctx.tile = mask, tile
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = flash_attention_backward(grad_out, q, k, v, out, lse, ctx.mask, block_size=ctx.block)
+        dq, dk, dv = flash_attention_backward(grad_out, q, k, v, out, lse, ctx.mask, tile_size=ctx.tile)
         return dq, dk, dv, None, None
 
 
-def flash_attention(q, k, v, mask=None, *, block_size: int = 64):
+def flash_attention(q, k, v, mask=None, *, tile_size: int = 64):
     """softmax(q k^T / sqrt(dk)) v in tiles, as tfm_numpy.flash_attention: returns (out (..., Tq, dv), lse (..., Tq)).
 
     Differentiable in q, k, v through the hand-written tiled backward (`flash_attention_backward`), not through
     autograd of the loop; lse carries no gradient.
     """
-    block, mask = _prepare("flash_attention", q, k, v, mask, block_size)
-    return _FlashAttention.apply(q, k, v, mask, block)
+    tile, mask = _prepare("flash_attention", q, k, v, mask, tile_size)
+    return _FlashAttention.apply(q, k, v, mask, tile)

@@ -9,8 +9,7 @@ from torch import nn
 
 from tfm_common.validate import check_real, check_size, check_sizes
 
-from .attention import attention_weights, check_attention, check_attention_call
-from .flash import flash_attention
+from .attention import AttentionImpl, check_attention, check_attention_call
 from .kv_cache import cache_append
 from .layers import Dropout, Linear
 from .module import Module, as_generator, check_dtype, check_input
@@ -137,7 +136,7 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
 
 
-class GroupedQueryAttention(Module):
+class GroupedQueryAttention(AttentionImpl, Module):
     """Grouped-query self-attention, twin of tfm_numpy's: forward(x, mask, offset=0) -> (B, T, d); forward_step
     with a cache of n_kv_heads heads; `rotary` rotates queries and keys. attention="flash" (tiled, as tfm_numpy's)
     or "sdpa" (this track only: F.scaled_dot_product_attention with enable_gqa, the key/value heads not repeated;
@@ -219,26 +218,17 @@ class GroupedQueryAttention(Module):
         k, v = cache_append(cache, "k", k, axis=2), cache_append(cache, "v", v, axis=2)  # (B, Hkv, T + Tn, dh)
         return self.out_proj(self._merge(self._attend(q, k, v, mask)))
 
-    def _attend(self, q, k, v, mask) -> torch.Tensor:
-        """The heads' softmax(q k^T / sqrt(dh)) v (B, H, Tq, dh) from q (B, H, Tq, dh) and k, v (B, Hkv, Tk, dh)."""
-        attend = {"explicit": self._attend_explicit, "flash": self._attend_flash, "sdpa": self._attend_sdpa}
-        return attend[self.attention](q, k, v, mask)
-
+    # The key/value heads come in unrepeated (B, Hkv, Tk, dh): repeated to the query heads for the kernels of
+    # AttentionImpl, passed as they are to torch's (enable_gqa).
     def _attend_explicit(self, q, k, v, mask) -> torch.Tensor:
         n_rep = self.n_heads // self.n_kv_heads
-        p = attention_weights(q, repeat_kv(k, n_rep), mask)  # (B, H, Tq, Tk)
-        self.attn_weights = p.detach()
-        return self.dropout(p) @ repeat_kv(v, n_rep)
+        return super()._attend_explicit(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), mask)
 
     def _attend_flash(self, q, k, v, mask) -> torch.Tensor:
-        # the tiled kernel has no attention dropout: refused in training (no mask, no cache: only that is checked)
-        check_attention_call("GroupedQueryAttention", self, len(q), q.shape[2], k.shape[2], None)
-        self.attn_weights = None
         n_rep = self.n_heads // self.n_kv_heads
-        return flash_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), mask, block_size=self.tile_size)[0]
+        return super()._attend_flash(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), mask)
 
     def _attend_sdpa(self, q, k, v, mask) -> torch.Tensor:
-        """torch's kernels, the key/value heads not repeated (enable_gqa)."""
         self.attn_weights = None
         p = self.dropout.p if self.training else 0.0
         enable_gqa = self.n_kv_heads < self.n_heads

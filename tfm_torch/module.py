@@ -99,6 +99,12 @@ _ENTRY_POINTS = ("forward", "encode", "decode", "decode_step", "forward_step")
 _CALLS = threading.local()  # .depth: how many entry points are running (0: the next call comes from the caller)
 
 
+def at_the_door() -> bool:
+    """Whether no Module entry point is running (or torch.compile traces: it checks at every level), as tfm_numpy's:
+    a public function (say `attention_weights`) checks its arguments there; inside a module, its door has."""
+    return torch.compiler.is_compiling() or getattr(_CALLS, "depth", 0) == 0
+
+
 def _at_the_door(method):
     name = method.__name__
 

@@ -18,11 +18,11 @@ from torch import nn
 from tfm_common.pitfalls import LAYER_PITFALLS, MODEL_PITFALLS, check_model_pitfalls
 from tfm_common.validate import check_decode_cache
 
-from .attention import _check_mask as check_mask
-from .attention import causal_mask, check_attention, decoder_mask, padding_mask, use_attention
+from .attention import check_attention, use_attention
 from .encoder_decoder import Decoder, Encoder, _check_bool, _check_positive
 from .kv_cache import cache_append
 from .layers import Dropout, Embedding, LayerNorm, Linear
+from .masks import causal_mask, check_mask, decoder_mask, padding_mask
 from .module import Module, as_generator, check_dtype, check_indices, check_input, check_probability
 from .positional import LearnedPositionalEmbedding, PositionalEncoding, sinusoidal_positional_encoding
 from .sublayers import check_activation
