@@ -1,8 +1,8 @@
 """Helpers shared by the torch track: explicit generators and input checks.
 
 The torch twin of `tfm_numpy.module`: modules here derive from `Module` below, a `torch.nn.Module` whose
-`load_state_dict` is all or nothing; the rest of the contract (named_parameters, state_dict, train/eval,
-zero_grad) is torch's own.
+`load_state_dict` is all or nothing and whose `num_parameters` counts a tied weight once; the rest of the contract
+(named_parameters, state_dict, train/eval, zero_grad) is torch's own.
 """
 
 from __future__ import annotations
@@ -139,6 +139,10 @@ class Module(torch.nn.Module):
             method = cls.__dict__.get(name)
             if callable(method) and not getattr(method, "_at_boundary", False):
                 setattr(cls, name, _at_the_door(method))
+
+    def num_parameters(self) -> int:
+        """Unique parameters (a tied one counted once), as tfm_numpy's Module.num_parameters."""
+        return sum(p.numel() for p in self.parameters())
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         own = self.state_dict(keep_vars=True)
