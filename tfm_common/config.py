@@ -18,11 +18,14 @@ __all__ = [
     "GPT_NORMS",
     "GPT_POSITIONAL",
     "GPT_ACTIVATIONS",
+    "GPT_ARGS",
     "VIT_POOLS",
     "check_transformer_config",
     "check_gpt_config",
     "check_vit_config",
     "check_swin_config",
+    "check_window_grid",
+    "swin_shift",
 ]
 
 TRANSFORMER_POSITIONAL = ("sinusoidal", "learned")
@@ -30,6 +33,9 @@ FF_ACTIVATIONS = ("relu", "gelu")  # the two that torch.nn.TransformerEncoderLay
 GPT_NORMS = ("layernorm", "rmsnorm")
 GPT_POSITIONAL = ("learned", "sinusoidal", "rope")
 GPT_ACTIVATIONS = ("gelu", "relu", "swiglu")
+# the GPT's `config`: its constructor's arguments but attention, tile_size, rng and dtype (not what the model is)
+GPT_ARGS = ("vocab_size", "d_model", "n_heads", "d_ff", "n_layers", "max_len", "dropout", "norm", "positional",
+            "activation", "n_kv_heads", "tie_output")  # fmt: skip
 VIT_POOLS = ("cls", "mean")
 
 
@@ -136,3 +142,20 @@ def check_swin_config(owner: str, c: dict) -> dict:
             raise ValueError(f"{owner}: stage {i} has an odd {grid}x{grid} grid: patch merging needs an even one")
     _check_dropout(owner, c["dropout"])
     return {**c, "depths": depths, "n_heads": heads}
+
+
+def check_window_grid(owner: str, H: int, W: int, window_size: int, shift: int = 0) -> None:
+    """An H x W grid of tokens that M x M windows (window_size = M) tile, and a shift in [0, M)."""
+    check_size(owner, "H", H)
+    check_size(owner, "W", W)
+    check_size(owner, "window_size", window_size)
+    check_size(owner, "shift", shift, minimum=0)
+    if H % window_size or W % window_size:
+        raise ValueError(f"{owner}: window_size={window_size} must divide H={H} and W={W}")
+    if shift >= window_size:
+        raise ValueError(f"{owner}: shift must be in [0, window_size={window_size}), got {shift}")
+
+
+def swin_shift(j: int, window_size: int, grid: int) -> int:
+    """Block j of a stage: regular windows for even j, shifted by M // 2 for odd j (none if one window covers all)."""
+    return 0 if j % 2 == 0 or window_size >= grid else window_size // 2

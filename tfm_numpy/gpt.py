@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from tfm_common.config import check_gpt_config
+from tfm_common.config import GPT_ARGS, check_gpt_config
 from tfm_common.sampling import check_generate, sample_next
 from tfm_common.training import StepResult, check_finite_step, check_optimizer_of
 from tfm_common.validate import check_size
@@ -136,7 +136,7 @@ class GPT(Module):
         dtype=np.float32,
     ):
         super().__init__()
-        self.config = c = check_gpt_config("GPT", {k: v for k, v in locals().items() if k in _ARGS})
+        self.config = c = check_gpt_config("GPT", {k: v for k, v in locals().items() if k in GPT_ARGS})
         attention, tile_size = check_attention("GPT", attention, tile_size)  # refused before anything is built
         self.vocab_size, self.d_model, self.max_len = c["vocab_size"], c["d_model"], c["max_len"]
         dt, rng = check_dtype(dtype), as_rng(rng)
@@ -259,10 +259,6 @@ class GPT(Module):
     def extra_repr(self) -> str:
         c = self.config
         return ", ".join(f"{k}={c[k]!r}" for k in ("norm", "positional", "activation", "n_kv_heads", "tie_output"))
-
-
-_ARGS = ("vocab_size", "d_model", "n_heads", "d_ff", "n_layers", "max_len", "dropout", "norm", "positional",
-         "activation", "n_kv_heads", "tie_output")  # fmt: skip
 
 
 @contextmanager

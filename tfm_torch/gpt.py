@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from tfm_common.config import check_gpt_config
+from tfm_common.config import GPT_ARGS, check_gpt_config
 from tfm_common.sampling import check_generate, sample_next
 from tfm_common.training import StepResult, check_finite_step, check_optimizer_of
 from tfm_common.validate import check_size
@@ -96,7 +96,7 @@ class GPT(Module):
         dtype=None,
     ):
         super().__init__()
-        self.config = c = check_gpt_config("GPT", {k: v for k, v in locals().items() if k in _ARGS})
+        self.config = c = check_gpt_config("GPT", {k: v for k, v in locals().items() if k in GPT_ARGS})
         attention, tile_size = check_attention("GPT", attention, tile_size)  # refused before anything is built
         self.vocab_size, self.d_model, self.max_len = c["vocab_size"], c["d_model"], c["max_len"]
         dt, rng = check_dtype(dtype), as_generator(rng)
@@ -195,10 +195,6 @@ class GPT(Module):
     def extra_repr(self) -> str:
         c = self.config
         return ", ".join(f"{k}={c[k]!r}" for k in ("norm", "positional", "activation", "n_kv_heads", "tie_output"))
-
-
-_ARGS = ("vocab_size", "d_model", "n_heads", "d_ff", "n_layers", "max_len", "dropout", "norm", "positional",
-         "activation", "n_kv_heads", "tie_output")  # fmt: skip
 
 
 @contextmanager

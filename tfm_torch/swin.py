@@ -8,7 +8,7 @@ import math
 import torch
 from torch import nn
 
-from tfm_common.config import check_swin_config
+from tfm_common.config import check_swin_config, check_window_grid, swin_shift
 from tfm_common.validate import check_size
 
 from .layers import Dropout, LayerNorm, Linear
@@ -29,28 +29,17 @@ __all__ = [
 ]
 
 
-def _check_grid(owner: str, H: int, W: int, window_size: int, shift: int = 0) -> None:
-    check_size(owner, "H", H)
-    check_size(owner, "W", W)
-    check_size(owner, "window_size", window_size)
-    check_size(owner, "shift", shift, minimum=0)
-    if H % window_size or W % window_size:
-        raise ValueError(f"{owner}: window_size={window_size} must divide H={H} and W={W}")
-    if shift >= window_size:
-        raise ValueError(f"{owner}: shift must be in [0, window_size={window_size}), got {shift}")
-
-
 def window_partition(x: torch.Tensor, window_size: int) -> torch.Tensor:
     """(B, H, W, C) -> (B nW, M M, C)."""
     B, H, W, C = x.shape
-    _check_grid("window_partition", H, W, window_size)
+    check_window_grid("window_partition", H, W, window_size)
     M = window_size
     return x.reshape(B, H // M, M, W // M, M, C).permute(0, 1, 3, 2, 4, 5).reshape(-1, M * M, C)
 
 
 def window_reverse(windows: torch.Tensor, window_size: int, H: int, W: int) -> torch.Tensor:
     """(B nW, M M, C) -> (B, H, W, C)."""
-    _check_grid("window_reverse", H, W, window_size)
+    check_window_grid("window_reverse", H, W, window_size)
     M, C = window_size, windows.shape[-1]
     return windows.reshape(-1, H // M, W // M, M, M, C).permute(0, 1, 3, 2, 4, 5).reshape(-1, H, W, C)
 
@@ -62,7 +51,7 @@ def cyclic_shift(x: torch.Tensor, shift: int) -> torch.Tensor:
 
 def shifted_window_mask(H: int, W: int, window_size: int, shift: int) -> torch.Tensor:
     """(nW, M M, M M) torch.bool, True = may attend (see tfm_numpy.shifted_window_mask)."""
-    _check_grid("shifted_window_mask", H, W, window_size, shift)
+    check_window_grid("shifted_window_mask", H, W, window_size, shift)
     M = window_size
     label = torch.zeros(1, H, W, 1, dtype=torch.int64)
     if shift:
@@ -159,7 +148,7 @@ class SwinBlock(Module):
                  shift: int = 0, dropout: float = 0.0, *, rng=None, dtype=None):  # fmt: skip
         super().__init__()
         H, W = resolution
-        _check_grid("SwinBlock", H, W, window_size, shift)
+        check_window_grid("SwinBlock", H, W, window_size, shift)
         check_size("SwinBlock", "d_ff", d_ff)
         dt, rng = check_dtype(dtype), as_generator(rng)
         self.d_model, self.resolution, self.window_size, self.shift = d_model, (H, W), window_size, shift
@@ -221,11 +210,6 @@ class PatchMerging(Module):
         return f"resolution={self.resolution}, d_model={self.d_model}"
 
 
-def _shift(j: int, window_size: int, grid: int) -> int:
-    """Block j of a stage: regular windows for even j, shifted by M // 2 for odd j (none if one window covers all)."""
-    return 0 if j % 2 == 0 or window_size >= grid else window_size // 2
-
-
 class Swin(Module):
     """A small Swin classifier, the twin of tfm_numpy.Swin (same arguments, same keys)."""
 
@@ -256,11 +240,9 @@ class Swin(Module):
         self.stages, self.merges = nn.ModuleList(), nn.ModuleList()
         grid, dim = image_size // patch_size, d_model
         for i, (depth, heads) in enumerate(zip(c["depths"], c["n_heads"], strict=True)):
-            blocks = [
-                SwinBlock(dim, heads, mlp_ratio * dim, (grid, grid), window_size, _shift(j, window_size, grid), dropout,
-                          rng=rng, dtype=dt)
-                for j in range(depth)
-            ]  # fmt: skip
+            shifts = [swin_shift(j, window_size, grid) for j in range(depth)]  # 0, M/2, 0, M/2, ...
+            block = dict(resolution=(grid, grid), window_size=window_size, dropout=dropout, rng=rng, dtype=dt)
+            blocks = [SwinBlock(dim, heads, mlp_ratio * dim, shift=shift, **block) for shift in shifts]
             self.stages.append(nn.ModuleList(blocks))
             if i < len(c["depths"]) - 1:
                 self.merges.append(PatchMerging((grid, grid), dim, rng=rng, dtype=dt))
