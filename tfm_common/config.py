@@ -13,6 +13,7 @@ import numpy as np
 from .validate import check_choice, check_flag, check_real, check_real_arg, check_size, check_sizes
 
 __all__ = [
+    "TRANSFORMER_ARGS",
     "TRANSFORMER_POSITIONAL",
     "FF_ACTIVATIONS",
     "GPT_NORMS",
@@ -28,6 +29,10 @@ __all__ = [
     "swin_shift",
 ]
 
+# the Transformer's `config` without its pitfall options (chapter 16a adds those that differ from the paper's)
+TRANSFORMER_ARGS = ("src_vocab_size", "tgt_vocab_size", "d_model", "n_heads", "d_ff", "n_layers", "dropout", "max_len",
+                    "norm_first", "positional", "share_embeddings", "tie_output", "pad_id", "activation",
+                    "final_norm")  # fmt: skip
 TRANSFORMER_POSITIONAL = ("sinusoidal", "learned")
 FF_ACTIVATIONS = ("relu", "gelu")  # the two that torch.nn.TransformerEncoderLayer accepts by name (gelu: exact)
 GPT_NORMS = ("layernorm", "rmsnorm")

@@ -1,6 +1,6 @@
-"""Sampling the next token, shared by both tracks: one check of `generate`'s arguments and one sampler, so that the
-NumPy and PyTorch GPTs accept and refuse the same things and, given the same logits and the same seed, draw the
-same tokens.
+"""Sampling the next token, shared by both tracks: one check of the GPT's tokens and `generate`'s arguments, and one
+sampler, so that the NumPy and PyTorch GPTs accept and refuse the same things and, given the same logits and the
+same seed, draw the same tokens.
 
 The sampler works on NumPy float64 logits (the torch track hands over its last position's logits, B x V numbers per
 step): the random numbers come from one `numpy.random.Generator` in both tracks.
@@ -12,17 +12,17 @@ import numpy as np
 
 from .validate import check_real, check_seed, check_size
 
-__all__ = ["check_sampling", "check_generate", "as_numpy_rng", "sample_next"]
+__all__ = ["check_token_window", "check_generate", "as_numpy_rng", "sample_next"]
 
 
-def check_sampling(owner: str, temperature, top_k, vocab_size: int) -> tuple[float, int | None]:
-    """temperature >= 0 (0: greedy); top_k None or an int in [1, vocab_size]."""
-    temperature = check_real(owner, "temperature", temperature, low=0.0)
-    if top_k is not None:
-        top_k = check_size(owner, "top_k", top_k)
-        if top_k > vocab_size:
-            raise ValueError(f"{owner}: top_k must be <= vocab_size={vocab_size}, got {top_k}")
-    return temperature, top_k
+def check_token_window(owner: str, shape: tuple, offset: int, max_len: int) -> int:
+    """Tokens of shape (B, T), T >= 1, that fit in max_len positions after `offset` cached ones; returns T."""
+    if len(shape) != 2 or shape[1] < 1:
+        raise ValueError(f"{owner}: tokens expected shape (B, T) with T >= 1, got {shape}")
+    if offset + shape[1] > max_len:
+        start = f" after {offset} cached positions" if offset else ""
+        raise ValueError(f"{owner}: tokens has length {shape[1]}{start}, more than max_len={max_len}")
+    return shape[1]
 
 
 def as_numpy_rng(owner: str, rng) -> np.random.Generator:
@@ -35,10 +35,14 @@ def as_numpy_rng(owner: str, rng) -> np.random.Generator:
 def check_generate(owner: str, prompt_length: int, max_new_tokens, temperature, top_k, rng, vocab_size: int,
                    max_len: int) -> tuple[int, float, int | None, np.random.Generator]:  # fmt: skip
     """`generate`'s arguments after its prompt (of `prompt_length` tokens, checked by the model): returns
-    (max_new_tokens, temperature, top_k, a numpy Generator). The last sampled token is never fed back, so a prompt
-    of T0 tokens and n new ones need T0 + n - 1 positions."""
+    (max_new_tokens, temperature >= 0 (0: greedy), top_k None or in [1, vocab_size], a numpy Generator). The last
+    sampled token is never fed back, so a prompt of T0 tokens and n new ones need T0 + n - 1 positions."""
     n = check_size(owner, "max_new_tokens", max_new_tokens, minimum=0)
-    temperature, top_k = check_sampling(owner, temperature, top_k, vocab_size)
+    temperature = check_real(owner, "temperature", temperature, low=0.0)
+    if top_k is not None:
+        top_k = check_size(owner, "top_k", top_k)
+        if top_k > vocab_size:
+            raise ValueError(f"{owner}: top_k must be <= vocab_size={vocab_size}, got {top_k}")
     if prompt_length + n - 1 > max_len:
         raise ValueError(f"{owner}: a prompt of {prompt_length} tokens and max_new_tokens={n} need "
                          f"{prompt_length + n - 1} positions, more than max_len={max_len}")  # fmt: skip

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from tfm_common.config import GPT_ARGS, check_gpt_config
-from tfm_common.sampling import check_generate, sample_next
+from tfm_common.sampling import check_generate, check_token_window, sample_next
 from tfm_common.training import StepResult, check_finite_step, check_optimizer_of
 from tfm_common.validate import check_size
 
@@ -242,15 +242,8 @@ class GPT(Module):
                               self.max_len)  # fmt: skip
 
     def _check_tokens(self, tokens, offset: int) -> int:
-        """tokens (B, T) ids in [0, vocab_size), T >= 1, that fit in max_len after `offset` cached positions."""
         check_indices("GPT: tokens", tokens, self.vocab_size)
-        if tokens.ndim != 2 or tokens.shape[1] < 1:
-            raise ValueError(f"GPT: tokens expected shape (B, T) with T >= 1, got {tokens.shape}")
-        T = tokens.shape[1]
-        if offset + T > self.max_len:
-            start = f" after {offset} cached positions" if offset else ""
-            raise ValueError(f"GPT: tokens has length {T}{start}, more than max_len={self.max_len}")
-        return T
+        return check_token_window("GPT", tokens.shape, offset, self.max_len)
 
     def attention_weights(self) -> list[np.ndarray]:
         """[(B, H, T, T) per layer]: the last forward's self-attention weights."""

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from tfm_common.config import GPT_ARGS, check_gpt_config
-from tfm_common.sampling import check_generate, sample_next
+from tfm_common.sampling import check_generate, check_token_window, sample_next
 from tfm_common.training import StepResult, check_finite_step, check_optimizer_of
 from tfm_common.validate import check_size
 
@@ -180,13 +180,7 @@ class GPT(Module):
 
     def _check_tokens(self, tokens, offset: int) -> int:
         check_indices("GPT: tokens", tokens, self.vocab_size)
-        if tokens.dim() != 2 or tokens.shape[1] < 1:
-            raise ValueError(f"GPT: tokens expected shape (B, T) with T >= 1, got {tuple(tokens.shape)}")
-        T = tokens.shape[1]
-        if offset + T > self.max_len:
-            start = f" after {offset} cached positions" if offset else ""
-            raise ValueError(f"GPT: tokens has length {T}{start}, more than max_len={self.max_len}")
-        return T
+        return check_token_window("GPT", tuple(tokens.shape), offset, self.max_len)
 
     def attention_weights(self) -> list[torch.Tensor]:
         """[(B, H, T, T) per layer]: the last forward's self-attention weights (detached)."""

@@ -16,7 +16,7 @@ import re
 import torch
 from torch import nn
 
-from tfm_common.config import check_gpt_config, check_transformer_config
+from tfm_common.config import TRANSFORMER_ARGS, check_gpt_config, check_transformer_config
 
 from .gpt import GPT
 from .module import Module, check_dtype
@@ -80,7 +80,7 @@ class ReferenceTransformer(Module):
     ):
         args = locals()  # the constructor's arguments, as a dict
         super().__init__()
-        c = self.config = check_transformer_config("ReferenceTransformer", {k: args[k] for k in _TRANSFORMER_ARGS})
+        c = self.config = check_transformer_config("ReferenceTransformer", {k: args[k] for k in TRANSFORMER_ARGS})
         dt = check_dtype(dtype)
         self.d_model, self.pad_id = d_model, pad_id
         final = norm_first if final_norm is None else final_norm
@@ -141,25 +141,6 @@ class ReferenceTransformer(Module):
         return self.output_projection(h)  # (B, T, V)
 
 
-_TRANSFORMER_ARGS = (
-    "src_vocab_size",
-    "tgt_vocab_size",
-    "d_model",
-    "n_heads",
-    "d_ff",
-    "n_layers",
-    "dropout",
-    "max_len",
-    "norm_first",
-    "positional",
-    "share_embeddings",
-    "tie_output",
-    "pad_id",
-    "activation",
-    "final_norm",
-)
-
-
 def to_reference_state_dict(state: dict) -> dict:
     """Our state_dict keys and tensors -> ReferenceTransformer's (torch.nn.Transformer's inside `transformer.`):
 
@@ -206,7 +187,7 @@ def from_reference_state_dict(state: dict) -> dict:
 
 def to_torch_nn_transformer(model: Transformer) -> ReferenceTransformer:
     """Our torch model's weights in a ReferenceTransformer (torch.nn.Transformer inside), same dtype and mode."""
-    odd = sorted(set(model.config) - set(_TRANSFORMER_ARGS))
+    odd = sorted(set(model.config) - set(TRANSFORMER_ARGS))
     if odd:
         raise ValueError(f"to_torch_nn_transformer: torch.nn.Transformer has no counterpart of the options {odd}")
     ref = ReferenceTransformer(**model.config, dtype=model.src_embed.weight.dtype)
