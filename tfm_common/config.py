@@ -20,9 +20,12 @@ __all__ = [
     "GPT_POSITIONAL",
     "GPT_ACTIVATIONS",
     "GPT_ARGS",
+    "VIT_ARGS",
     "VIT_POOLS",
+    "SWIN_ARGS",
     "check_transformer_config",
     "check_gpt_config",
+    "check_patch_embedding",
     "check_vit_config",
     "check_swin_config",
     "check_window_grid",
@@ -41,7 +44,11 @@ GPT_ACTIVATIONS = ("gelu", "relu", "swiglu")
 # the GPT's `config`: its constructor's arguments but attention, tile_size, rng and dtype (not what the model is)
 GPT_ARGS = ("vocab_size", "d_model", "n_heads", "d_ff", "n_layers", "max_len", "dropout", "norm", "positional",
             "activation", "n_kv_heads", "tie_output")  # fmt: skip
+VIT_ARGS = ("image_size", "patch_size", "in_channels", "n_classes", "d_model", "n_heads", "d_ff", "n_layers", "dropout",
+            "pool")  # fmt: skip
 VIT_POOLS = ("cls", "mean")
+SWIN_ARGS = ("image_size", "patch_size", "in_channels", "n_classes", "d_model", "depths", "n_heads", "window_size",
+             "mlp_ratio", "dropout")  # fmt: skip
 
 
 def _check_heads(owner: str, c: dict) -> None:
@@ -112,6 +119,12 @@ def check_gpt_config(owner: str, c: dict) -> dict:
 def _check_patches(owner: str, image_size: int, patch_size: int) -> None:
     if image_size % patch_size:
         raise ValueError(f"{owner}: image_size={image_size} must be divisible by patch_size={patch_size}")
+
+
+def check_patch_embedding(owner: str, image_size, patch_size, in_channels, d_model) -> None:
+    """PatchEmbedding's sizes (ViT's and Swin's first layer): p x p patches that tile the image."""
+    check_sizes(owner, image_size=image_size, patch_size=patch_size, in_channels=in_channels, d_model=d_model)
+    _check_patches(owner, image_size, patch_size)
 
 
 def check_vit_config(owner: str, c: dict) -> dict:

@@ -18,7 +18,7 @@ import math
 
 import numpy as np
 
-from tfm_common.config import check_swin_config, check_window_grid, swin_shift
+from tfm_common.config import SWIN_ARGS, check_swin_config, check_window_grid, swin_shift
 from tfm_common.validate import check_size
 
 from .layers import Dropout, LayerNorm, Linear
@@ -318,10 +318,7 @@ class Swin(Module):
         dtype=np.float32,
     ):
         super().__init__()
-        self.config = c = check_swin_config("Swin", dict(
-            image_size=image_size, patch_size=patch_size, in_channels=in_channels, n_classes=n_classes,
-            d_model=d_model, depths=depths, n_heads=n_heads, window_size=window_size, mlp_ratio=mlp_ratio,
-            dropout=dropout))  # fmt: skip
+        self.config = c = check_swin_config("Swin", {k: v for k, v in locals().items() if k in SWIN_ARGS})
         dt, rng = check_dtype(dtype), as_rng(rng)
         self.patch_embed = PatchEmbedding(image_size, patch_size, in_channels, d_model, rng=rng, dtype=dt)
         self.dropout = Dropout(dropout, rng=rng)

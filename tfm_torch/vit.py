@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tfm_common.config import check_vit_config
+from tfm_common.config import VIT_ARGS, check_patch_embedding, check_vit_config
 
 from .encoder_decoder import Encoder
 from .layers import Dropout, Linear
@@ -37,9 +37,7 @@ class PatchEmbedding(Module):
 
     def __init__(self, image_size: int, patch_size: int, in_channels: int, d_model: int, *, rng=None, dtype=None):
         super().__init__()
-        c = dict(image_size=image_size, patch_size=patch_size, in_channels=in_channels, n_classes=1, d_model=d_model,
-                 n_heads=1, d_ff=1, n_layers=1, dropout=0.0, pool="cls")  # fmt: skip
-        check_vit_config("PatchEmbedding", c)
+        check_patch_embedding("PatchEmbedding", image_size, patch_size, in_channels, d_model)
         self.image_size, self.patch_size, self.in_channels, self.d_model = image_size, patch_size, in_channels, d_model
         self.grid = image_size // patch_size
         self.n_patches = self.grid * self.grid
@@ -80,9 +78,7 @@ class ViT(Module):
         dtype=None,
     ):
         super().__init__()
-        self.config = check_vit_config("ViT", dict(
-            image_size=image_size, patch_size=patch_size, in_channels=in_channels, n_classes=n_classes,
-            d_model=d_model, n_heads=n_heads, d_ff=d_ff, n_layers=n_layers, dropout=dropout, pool=pool))  # fmt: skip
+        self.config = check_vit_config("ViT", {k: v for k, v in locals().items() if k in VIT_ARGS})
         dt, rng = check_dtype(dtype), as_generator(rng)
         self.pool, self.d_model = pool, d_model
         self.patch_embed = PatchEmbedding(image_size, patch_size, in_channels, d_model, rng=rng, dtype=dt)
