@@ -187,13 +187,10 @@ def _check_optim_state(optimizer: torch.optim.Optimizer, sd, name: str) -> None:
     """torch's own `load_state_dict` checks the group sizes but not the moments' shapes: check them here."""
     if not isinstance(sd, dict) or set(sd) != {"state", "param_groups"}:
         raise KeyError(f"{name}: the optimizer state must have keys ['param_groups', 'state'], got {sorted(sd)}")
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    sizes = [len(g["params"]) for g in sd["param_groups"]]
-    if sizes != [len(g["params"]) for g in optimizer.param_groups]:
-        raise ValueError(
-            f"{name}: the optimizer has param groups of sizes {[len(g['params']) for g in optimizer.param_groups]}, "
-            f"the checkpoint {sizes}"
-        )
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    sizes, own = ([len(group["params"]) for group in groups] for groups in (sd["param_groups"], optimizer.param_groups))
+    if sizes != own:
+        raise ValueError(f"{name}: the optimizer has param groups of sizes {own}, the checkpoint {sizes}")
     for i, st in sd["state"].items():
         if not 0 <= int(i) < len(params):
             raise KeyError(f"{name}: optimizer state for parameter {i}, but the optimizer has {len(params)}")
