@@ -12,25 +12,10 @@ import numpy as np
 
 from .validate import check_choice, check_flag, check_real, check_real_arg, check_size, check_sizes
 
-__all__ = [
-    "TRANSFORMER_ARGS",
-    "TRANSFORMER_POSITIONAL",
-    "FF_ACTIVATIONS",
-    "GPT_NORMS",
-    "GPT_POSITIONAL",
-    "GPT_ACTIVATIONS",
-    "GPT_ARGS",
-    "VIT_ARGS",
-    "VIT_POOLS",
-    "SWIN_ARGS",
-    "check_transformer_config",
-    "check_gpt_config",
-    "check_patch_embedding",
-    "check_vit_config",
-    "check_swin_config",
-    "check_window_grid",
-    "swin_shift",
-]
+__all__ = ["TRANSFORMER_ARGS", "TRANSFORMER_POSITIONAL", "FF_ACTIVATIONS", "GPT_NORMS", "GPT_POSITIONAL",
+           "GPT_ACTIVATIONS", "GPT_ARGS", "VIT_ARGS", "VIT_POOLS", "SWIN_ARGS", "check_transformer_config",
+           "check_gpt_config", "check_patch_embedding", "check_vit_config", "check_swin_config", "check_window_grid",
+           "swin_shift"]  # fmt: skip
 
 # the Transformer's `config` without its pitfall options (chapter 16a adds those that differ from the paper's)
 TRANSFORMER_ARGS = ("src_vocab_size", "tgt_vocab_size", "d_model", "n_heads", "d_ff", "n_layers", "dropout", "max_len",

@@ -38,27 +38,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = [
-    "FORMAT",
-    "VERSION",
-    "READABLE_VERSIONS",
-    "NpzContents",
-    "library_version",
-    "describe_model",
-    "build_model",
-    "tied_groups_of",
-    "check_model_config",
-    "check_ties",
-    "check_optim_meta",
-    "check_optim_type",
-    "META_KEY",
-    "normalize_extra",
-    "check_state",
-    "atomic_write",
-    "zip_kind",
-    "write_npz",
-    "read_npz",
-]
+__all__ = ["FORMAT", "VERSION", "READABLE_VERSIONS", "NpzContents", "library_version", "describe_model", "build_model",
+           "tied_groups_of", "check_model_config", "check_ties", "check_optim_meta", "check_optim_type", "META_KEY",
+           "normalize_extra", "check_state", "atomic_write", "zip_kind", "write_npz", "read_npz"]  # fmt: skip
 
 FORMAT = "transformer-twice-checkpoint"
 VERSION = 2

@@ -26,17 +26,8 @@ from .module import Module, ModuleList, Parameter, as_rng, check_dtype, check_in
 from .sublayers import PositionwiseFeedForward
 from .vit import PatchEmbedding
 
-__all__ = [
-    "window_partition",
-    "window_reverse",
-    "cyclic_shift",
-    "shifted_window_mask",
-    "relative_position_index",
-    "WindowAttention",
-    "SwinBlock",
-    "PatchMerging",
-    "Swin",
-]
+__all__ = ["window_partition", "window_reverse", "cyclic_shift", "shifted_window_mask", "relative_position_index",
+           "WindowAttention", "SwinBlock", "PatchMerging", "Swin"]  # fmt: skip
 
 
 def window_partition(x: np.ndarray, window_size: int) -> np.ndarray:

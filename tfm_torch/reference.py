@@ -23,15 +23,8 @@ from .module import Module, check_dtype
 from .positional import sinusoidal_positional_encoding
 from .transformer import Transformer
 
-__all__ = [
-    "ReferenceTransformer",
-    "to_reference_state_dict",
-    "from_reference_state_dict",
-    "to_torch_nn_transformer",
-    "from_torch_nn_transformer",
-    "ReferenceGPT",
-    "to_torch_nn_gpt",
-]
+__all__ = ["ReferenceTransformer", "to_reference_state_dict", "from_reference_state_dict", "to_torch_nn_transformer",
+           "from_torch_nn_transformer", "ReferenceGPT", "to_torch_nn_gpt"]  # fmt: skip
 
 
 # -- torch.nn.Transformer, the reference of the encoder-decoder ------------------------------------------------------

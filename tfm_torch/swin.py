@@ -16,17 +16,8 @@ from .module import Module, as_generator, check_dtype, check_input
 from .sublayers import PositionwiseFeedForward
 from .vit import PatchEmbedding
 
-__all__ = [
-    "window_partition",
-    "window_reverse",
-    "cyclic_shift",
-    "shifted_window_mask",
-    "relative_position_index",
-    "WindowAttention",
-    "SwinBlock",
-    "PatchMerging",
-    "Swin",
-]
+__all__ = ["window_partition", "window_reverse", "cyclic_shift", "shifted_window_mask", "relative_position_index",
+           "WindowAttention", "SwinBlock", "PatchMerging", "Swin"]  # fmt: skip
 
 
 def window_partition(x: torch.Tensor, window_size: int) -> torch.Tensor:
