@@ -14,7 +14,10 @@ from helpers_tracks import max_abs_diff
 
 import tfm_numpy as tn
 import tfm_torch as tt
-from tfm_common.gpt_config import ACTIVATIONS, NORMS, POSITIONAL, sample_next
+from tfm_common.config import GPT_ACTIVATIONS as ACTIVATIONS
+from tfm_common.config import GPT_NORMS as NORMS
+from tfm_common.config import GPT_POSITIONAL as POSITIONAL
+from tfm_common.sampling import sample_next
 
 GRAD_TOL = 1e-7
 TRACK_TOL = 1e-10
@@ -524,7 +527,7 @@ def test_attention_options_refused_as_for_multi_head_attention():
 @pytest.mark.parametrize("lib", [tn, tt], ids=["numpy", "torch"])
 def test_the_attention_option_at_construction_is_use_attention(lib):
     attention = "flash" if lib is tn else "sdpa"
-    built = lib.GPT(**TINY, n_kv_heads=2, attention=attention, block_size=4, rng=0)
+    built = lib.GPT(**TINY, n_kv_heads=2, attention=attention, tile_size=4, rng=0)
     switched = lib.use_attention(lib.GPT(**TINY, n_kv_heads=2, rng=0), attention, tile_size=4)
     modes = {(m.attention, m.tile_size) for m in (layer.self_attn for layer in built.layers)}
     assert modes == {(attention, 4)} and list(built.state_dict()) == list(switched.state_dict())

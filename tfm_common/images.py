@@ -1,5 +1,5 @@
-"""Images for the vision chapters, shared by both tracks: the digits data set, its fixed split, the constructor
-checks of the vision models (one rule for both tracks) and a confidence interval for an accuracy.
+"""Images for the vision chapters, shared by both tracks: the digits data set, its fixed split and a confidence
+interval for an accuracy (the vision models' constructor rules are in `tfm_common.config`).
 
 The data: scikit-learn's `load_digits`, 1,797 real 8x8 handwritten digits (grey levels 0..16) that ship inside
 the package (no download). `load_digits_split` makes one fixed stratified split: for each class separately, a
@@ -14,18 +14,14 @@ import math
 
 import numpy as np
 
-from .validate import check_choice, check_real, check_seed, check_size, check_sizes
+from .validate import check_real, check_seed, check_size
 
 __all__ = [
     "DigitsSplit",
     "load_digits_split",
     "upsample_nearest",
     "wilson_interval",
-    "check_vit_config",
-    "check_swin_config",
 ]
-
-POOLS = ("cls", "mean")
 
 
 class DigitsSplit:
@@ -83,51 +79,3 @@ def wilson_interval(correct: int, n: int, z: float = 1.96) -> tuple[float, float
     center = (p + z2 / (2 * n)) / (1 + z2 / n)
     half = z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
     return center - half, center + half
-
-
-def _check_dropout(owner: str, dropout) -> float:
-    p = check_real(owner, "dropout", dropout, 0.0, 1.0)
-    if p >= 1:
-        raise ValueError(f"{owner}: dropout must be in [0, 1), got {dropout!r}")
-    return p
-
-
-def _check_patches(owner: str, image_size: int, patch_size: int) -> None:
-    if image_size % patch_size:
-        raise ValueError(f"{owner}: image_size={image_size} must be divisible by patch_size={patch_size}")
-
-
-def check_vit_config(owner: str, c: dict) -> dict:
-    """The ViT's constructor arguments, validated before anything is allocated (both tracks call this)."""
-    check_sizes(owner, **{k: c[k] for k in ("image_size", "patch_size", "in_channels", "n_classes", "d_model",
-                                            "n_heads", "d_ff", "n_layers")})  # fmt: skip
-    _check_patches(owner, c["image_size"], c["patch_size"])
-    if c["d_model"] % c["n_heads"]:
-        raise ValueError(f"{owner}: d_model={c['d_model']} must be divisible by n_heads={c['n_heads']}")
-    _check_dropout(owner, c["dropout"])
-    check_choice(owner, "pool", c["pool"], POOLS)
-    return dict(c)
-
-
-def check_swin_config(owner: str, c: dict) -> dict:
-    """The Swin classifier's constructor arguments (both tracks call this): every stage's token grid must split
-    into whole windows, and every stage but the last must have an even grid (patch merging halves it)."""
-    check_sizes(owner, **{k: c[k] for k in ("image_size", "patch_size", "in_channels", "n_classes", "d_model",
-                                            "window_size", "mlp_ratio")})  # fmt: skip
-    _check_patches(owner, c["image_size"], c["patch_size"])
-    depths, heads = tuple(c["depths"]), tuple(c["n_heads"])
-    if not depths or len(depths) != len(heads):
-        raise ValueError(f"{owner}: depths and n_heads must be non-empty and of one length, got {depths}, {heads}")
-    for i, (depth, h) in enumerate(zip(depths, heads, strict=True)):
-        check_size(owner, f"depths[{i}]", depth)
-        check_size(owner, f"n_heads[{i}]", h)
-        grid, dim = c["image_size"] // c["patch_size"] // 2**i, c["d_model"] * 2**i
-        if dim % h:
-            raise ValueError(f"{owner}: stage {i} has d_model {dim}, not divisible by n_heads[{i}]={h}")
-        if grid % c["window_size"]:
-            raise ValueError(f"{owner}: stage {i} has a {grid}x{grid} token grid, not divisible by "
-                             f"window_size={c['window_size']}")  # fmt: skip
-        if i < len(depths) - 1 and grid % 2:
-            raise ValueError(f"{owner}: stage {i} has an odd {grid}x{grid} grid: patch merging needs an even one")
-    _check_dropout(owner, c["dropout"])
-    return {**c, "depths": depths, "n_heads": heads}

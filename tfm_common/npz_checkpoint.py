@@ -38,25 +38,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = [
-    "FORMAT",
-    "VERSION",
-    "READABLE_VERSIONS",
-    "NpzContents",
-    "library_version",
-    "describe_model",
-    "check_model_config",
-    "check_ties",
-    "check_optim_meta",
-    "check_optim_type",
-    "META_KEY",
-    "normalize_extra",
-    "check_state",
-    "atomic_write",
-    "zip_kind",
-    "write_npz",
-    "read_npz",
-]
+__all__ = ["FORMAT", "VERSION", "READABLE_VERSIONS", "NpzContents", "library_version", "describe_model", "build_model",
+           "tied_groups_of", "check_model_config", "check_ties", "check_optim_meta", "check_optim_type", "META_KEY",
+           "normalize_extra", "check_state", "atomic_write", "zip_kind", "write_npz", "read_npz"]  # fmt: skip
 
 FORMAT = "transformer-twice-checkpoint"
 VERSION = 2
@@ -92,6 +76,42 @@ def describe_model(model, dtype: str) -> dict | None:
     if not isinstance(config, dict):
         return None
     return {"class": type(model).__name__, "config": json.loads(json.dumps(config)), "dtype": dtype}
+
+
+def build_model(meta: dict | None, base: type, package: str, dtype, as_dtype: Callable[[str], object], path, name: str):
+    """The bare model that `meta` (`describe_model`'s dict) describes, in `dtype` (None: the recorded dtype's name
+    made a dtype by `as_dtype`).
+
+    The class is looked up among the public subclasses of `base` (the track's Module) defined in `package`
+    ("tfm_numpy" or "tfm_torch"): a checkpoint names one of the library's classes, never arbitrary code. The
+    subclasses are walked, so the package is not imported from inside itself."""
+    where = repr(os.fspath(path))
+    if meta is None:
+        raise ValueError(
+            f"{name}: {where} records no model configuration (a version-1 file, or a model without a `config`): "
+            "build the model yourself and call load_checkpoint(path, model); saving it again writes a version-2 file"
+        )
+    classes, todo = {}, [base]
+    while todo:
+        cls = todo.pop()
+        todo += cls.__subclasses__()
+        if cls.__module__.startswith(f"{package}.") and not cls.__name__.startswith("_"):
+            classes[cls.__name__] = cls
+    if meta["class"] not in classes:
+        raise ValueError(f"{name}: {where} names a model class {meta['class']!r} that {package} does not have")
+    try:
+        return classes[meta["class"]](**meta["config"], dtype=as_dtype(meta["dtype"]) if dtype is None else dtype)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{name}: cannot build {meta['class']} from the configuration in {where}: {e}") from e
+
+
+def tied_groups_of(named_parameters) -> list[list[str]]:
+    """The names of each parameter that appears under more than one name (a tied weight), from (name, parameter)
+    pairs that list a tied parameter under each of its names."""
+    names: dict[int, list[str]] = {}
+    for key, p in named_parameters:
+        names.setdefault(id(p), []).append(key)
+    return [keys for keys in names.values() if len(keys) > 1]
 
 
 def check_model_config(stored: dict | None, own: dict | None, name: str, path) -> None:

@@ -19,12 +19,14 @@ import numpy as np
 
 from tfm_common.npz_checkpoint import (
     NpzContents,
+    build_model,
     check_model_config,
     check_optim_type,
     check_state,
     check_ties,
     describe_model,
     read_npz,
+    tied_groups_of,
     write_npz,
 )
 
@@ -72,27 +74,9 @@ def load_model(path, dtype=None) -> Module:
     `extra`, call `load_checkpoint(path, model, optimizer)` on the result."""
     name = "load_model"
     contents = read_npz(path, name)
-    model = build_model(contents.model_meta, dtype, path, name)
+    model = build_model(contents.model_meta, Module, "tfm_numpy", dtype, np.dtype, path, name)
     _load_into(contents, model, None, path, name)
     return model
-
-
-def build_model(meta: dict | None, dtype, path, name: str) -> Module:
-    """The bare model that `meta` (`describe_model`'s dict) describes, in `dtype` (the recorded one if None)."""
-    import tfm_numpy  # the package's public classes: a checkpoint names one of them, never arbitrary code
-
-    if meta is None:
-        raise ValueError(
-            f"{name}: {str(path)!r} records no model configuration (a version-1 file, or a model without a `config`): "
-            "build the model yourself and call load_checkpoint(path, model); saving it again writes a version-2 file"
-        )
-    cls = getattr(tfm_numpy, meta["class"], None)
-    if not (isinstance(cls, type) and issubclass(cls, Module)):
-        raise ValueError(f"{name}: {str(path)!r} names a model class {meta['class']!r} that tfm_numpy does not have")
-    try:
-        return cls(**meta["config"], dtype=np.dtype(meta["dtype"] if dtype is None else dtype))
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{name}: cannot build {meta['class']} from the configuration in {str(path)!r}: {e}") from e
 
 
 def _optim_type(optimizer: Adam) -> str:
@@ -101,10 +85,7 @@ def _optim_type(optimizer: Adam) -> str:
 
 def tied_groups(model: Module) -> list[list[str]]:
     """The state_dict names of each parameter that appears under more than one name (a tied weight)."""
-    names: dict[int, list[str]] = {}
-    for key, p in model._named_parameters_all():
-        names.setdefault(id(p), []).append(key)
-    return [keys for keys in names.values() if len(keys) > 1]
+    return tied_groups_of(model._named_parameters_all())
 
 
 def _load_into(contents: NpzContents, model: Module, optimizer: Adam | None, path, name: str) -> dict:

@@ -11,15 +11,15 @@ import math
 
 import numpy as np
 
-from tfm_common.gpt_config import as_numpy_rng, check_gpt_config, check_sampling, sample_next
+from tfm_common.config import GPT_ARGS, check_gpt_config
+from tfm_common.sampling import check_generate, check_token_window, sample_next
 from tfm_common.training import eval_mode
-from tfm_common.validate import check_size
 
 from .attention import check_attention, use_attention
 from .layers import Dropout, Embedding, LayerNorm, Linear
 from .masks import causal_mask
 from .modern import GroupedQueryAttention, RMSNorm, RotaryEmbedding, SwiGLUFeedForward, swiglu_hidden_size
-from .module import Module, ModuleList, as_rng, check_dtype, check_grad, check_indices
+from .module import Module, ModuleList, as_rng, check_dtype, check_indices
 from .positional import LearnedPositionalEmbedding, PositionalEncoding
 from .sublayers import PositionwiseFeedForward
 from .transformer import xavier_uniform_
@@ -59,16 +59,16 @@ class GPTBlock(Module):
         dtype=np.float32,
     ):
         super().__init__()
-        dt, g = check_dtype(dtype), as_rng(rng)
-        self.self_attn = GroupedQueryAttention(d_model, n_heads, n_kv_heads, dropout, rotary=rotary, rng=g, dtype=dt)
+        dt, rng = check_dtype(dtype), as_rng(rng)
+        self.self_attn = GroupedQueryAttention(d_model, n_heads, n_kv_heads, dropout, rotary=rotary, rng=rng, dtype=dt)
         if activation == "swiglu":
-            self.ff = SwiGLUFeedForward(d_model, swiglu_hidden_size(d_ff), dropout, rng=g, dtype=dt)
+            self.ff = SwiGLUFeedForward(d_model, swiglu_hidden_size(d_ff), dropout, rng=rng, dtype=dt)
         else:
-            self.ff = PositionwiseFeedForward(d_model, d_ff, dropout, activation, rng=g, dtype=dt)
+            self.ff = PositionwiseFeedForward(d_model, d_ff, dropout, activation, rng=rng, dtype=dt)
         self.norm1 = make_norm(norm, d_model, dt)
         self.norm2 = make_norm(norm, d_model, dt)
-        self.dropout1 = Dropout(dropout, rng=g)  # on each sublayer's output, before the residual sum
-        self.dropout2 = Dropout(dropout, rng=g)
+        self.dropout1 = Dropout(dropout, rng=rng)  # on each sublayer's output, before the residual sum
+        self.dropout2 = Dropout(dropout, rng=rng)
 
     def forward(self, x: np.ndarray, mask: np.ndarray | None = None, offset: int = 0) -> np.ndarray:
         x = x + self.dropout1(self.self_attn(self.norm1(x), mask, offset))
@@ -96,8 +96,9 @@ class GPT(Module):
       activation  "gelu" (GPT-2; the exact form), "relu", or "swiglu" (Llama; width swiglu_hidden_size(d_ff))
       n_kv_heads  key/value heads for grouped-query attention (None: n_heads; 1: multi-query)
       tie_output  the output projection's weight IS the token embedding (GPT-2 does this)
-      attention   "explicit" (weights kept for plotting) or "flash" (tiled, chapter 15b); tfm_torch also "sdpa".
-                  Not a weight and not in `config`: `use_attention(model, ...)` switches it later
+      attention   "explicit" (weights kept for plotting) or "flash" (tiled, chapter 15b, in tiles of tile_size
+                  positions); tfm_torch also "sdpa". Not a weight and not in `config`: `use_attention(model, ...)`
+                  switches it later
     Every option combination has one set of state_dict keys, in both tracks.
 
     Initialization (with `rng`), as chapter 10's Transformer: token embeddings N(0, 1/d_model), multiplied by
@@ -125,52 +126,50 @@ class GPT(Module):
         n_kv_heads: int | None = None,
         tie_output: bool = True,
         attention: str = "explicit",
-        block_size: int = 64,
+        tile_size: int = 64,
         rng=None,
         dtype=np.float32,
     ):
         super().__init__()
-        self.config = c = check_gpt_config("GPT", {k: v for k, v in locals().items() if k in _ARGS})
-        attention, block_size = check_attention("GPT", attention, block_size)  # refused before anything is built
+        self.config = c = check_gpt_config("GPT", {k: v for k, v in locals().items() if k in GPT_ARGS})
+        attention, tile_size = check_attention("GPT", attention, tile_size)  # refused before anything is built
         self.vocab_size, self.d_model, self.max_len = c["vocab_size"], c["d_model"], c["max_len"]
-        dt, g = check_dtype(dtype), as_rng(rng)
-        self.embed = Embedding(self.vocab_size, self.d_model, rng=g, dtype=dt)
+        dt, rng = check_dtype(dtype), as_rng(rng)
+        self.embed = Embedding(self.vocab_size, self.d_model, rng=rng, dtype=dt)
         self.embed.weight.data *= dt.type(self.d_model**-0.5)  # N(0, 1) -> N(0, 1/d_model)
         if positional == "learned":
-            self.pos = LearnedPositionalEmbedding(self.max_len, self.d_model, rng=g, dtype=dt)
+            self.pos = LearnedPositionalEmbedding(self.max_len, self.d_model, rng=rng, dtype=dt)
         elif positional == "sinusoidal":
             self.pos = PositionalEncoding(self.d_model, self.max_len, dtype=dt)
         else:
             self.pos = None  # rope: the positions live in the attention
-        self.dropout = Dropout(c["dropout"], rng=g)
+        self.dropout = Dropout(c["dropout"], rng=rng)
         rotary = RotaryEmbedding(d_model // n_heads, self.max_len, dtype=dt) if positional == "rope" else None
-        block = dict(norm=norm, activation=activation, n_kv_heads=c["n_kv_heads"], rotary=rotary, rng=g, dtype=dt)
+        block = dict(norm=norm, activation=activation, n_kv_heads=c["n_kv_heads"], rotary=rotary, rng=rng, dtype=dt)
         self.layers = ModuleList(GPTBlock(d_model, n_heads, d_ff, c["dropout"], **block) for _ in range(n_layers))
         self.norm = make_norm(norm, d_model, dt)
-        self.output_projection = Linear(d_model, self.vocab_size, bias=False, rng=g, dtype=dt)  # (V, d)
+        self.output_projection = Linear(d_model, self.vocab_size, bias=False, rng=rng, dtype=dt)  # (V, d)
         if c["tie_output"]:
             self.output_projection.weight = self.embed.weight  # one Parameter: logits = h @ E^T
         else:
-            xavier_uniform_(self.output_projection.weight, g)
+            xavier_uniform_(self.output_projection.weight, rng)
         for _, p in self.layers.named_parameters():
             if p.data.ndim == 2:
-                xavier_uniform_(p, g)
-        use_attention(self, attention, block_size)  # how every block computes its heads (not a weight)
+                xavier_uniform_(p, rng)
+        use_attention(self, attention, tile_size)  # how every block computes its heads (not a weight)
 
     # -- forward and backward --------------------------------------------------------------------------------------
     def forward(self, tokens: np.ndarray) -> np.ndarray:
-        T = self._check_tokens("tokens", tokens, 0)
         x = self._embed(tokens, 0)  # (B, T, d)
-        mask = causal_mask(T)  # (1, 1, T, T)
+        mask = causal_mask(tokens.shape[1])  # (1, 1, T, T)
         for layer in self.layers:
             x = layer(x, mask)
-        logits = self.output_projection(self.norm(x))  # (B, T, V)
-        self._cache = (logits.shape, logits.dtype)
-        return logits
+        self._cache = x.shape  # a forward to differentiate (forward_step leaves none)
+        return self.output_projection(self.norm(x))  # (B, T, V)
 
     def backward(self, grad_logits: np.ndarray) -> None:
         """After `forward`: add dL/dparam into every parameter's grad (a tied weight gets both uses)."""
-        check_grad("GPT", grad_logits, *self._saved())
+        self._saved()  # once per forward
         dx = self.norm.backward(self.output_projection.backward(grad_logits))  # (B, T, d)
         for layer in reversed(list(self.layers)):
             dx = layer.backward(dx)
@@ -191,8 +190,7 @@ class GPT(Module):
         first; filled here): equal to `forward(all tokens so far)[:, -Tn:]` at the cost of the new ones only.
         cache["length"] counts the positions so far; cache["layers"][i] holds layer i's keys and values
         (B, n_kv_heads, length, d_head). Inference only: a backward after this is an error."""
-        t0 = cache.get("length", 0)
-        Tn = self._check_tokens("tokens", tokens, t0)
+        t0, Tn = cache.get("length", 0), tokens.shape[1]
         mask = np.tri(Tn, t0 + Tn, t0, dtype=bool)[None, None]  # (1, 1, Tn, t0 + Tn): new i sees 0 .. t0 + i
         x = self._embed(tokens, t0)
         layers = cache.setdefault("layers", [{} for _ in self.layers])
@@ -207,17 +205,11 @@ class GPT(Module):
 
         Each new token is drawn from softmax(logits / temperature) over the top_k most probable tokens (all if
         None); temperature=0 is greedy (argmax). `rng` (a numpy Generator or int seed; None: seed 0) draws one
-        uniform per row and step, in both tracks (tfm_common.gpt_config.sample_next), so the two tracks sample
+        uniform per row and step, in both tracks (tfm_common.sampling.sample_next), so the two tracks sample
         the same tokens from the same weights and seed. use_cache=False re-runs the whole sequence at every step
         (the same tokens, slower). Eval mode (no dropout) for the call; the caller's mode is restored.
         """
-        T0 = self._check_tokens("tokens", tokens, 0)
-        n = check_size("GPT.generate", "max_new_tokens", max_new_tokens, minimum=0)
-        temperature, top_k = check_sampling("GPT.generate", temperature, top_k, self.vocab_size)
-        if T0 + n - 1 > self.max_len:
-            raise ValueError(f"GPT.generate: a prompt of {T0} tokens and max_new_tokens={n} need {T0 + n - 1} "
-                             f"positions, more than max_len={self.max_len}")  # fmt: skip
-        gen = as_numpy_rng("GPT.generate", rng)
+        n, temperature, top_k, rng = self._check_generate(tokens, max_new_tokens, temperature, top_k, rng)
         out = tokens.astype(np.int64)
         with eval_mode(self):
             cache = {} if use_cache else None
@@ -226,21 +218,27 @@ class GPT(Module):
                     logits = self.forward(out)[:, -1]  # (B, V): the whole sequence again
                 else:
                     logits = self.forward_step(out if i == 0 else out[:, -1:], cache)[:, -1]  # the new token only
-                nxt = sample_next(logits, temperature, top_k, gen)  # (B,)
+                nxt = sample_next(logits, temperature, top_k, rng)  # (B,)
                 out = np.concatenate([out, nxt[:, None]], axis=1)
         self._cache = None
         return out
 
-    # -- checks ----------------------------------------------------------------------------------------------------
-    def _check_tokens(self, arg: str, tokens, offset: int) -> int:
-        check_indices(f"GPT: {arg}", tokens, self.vocab_size)
-        if tokens.ndim != 2 or tokens.shape[1] < 1:
-            raise ValueError(f"GPT: {arg} expected shape (B, T) with T >= 1, got {tokens.shape}")
-        T = tokens.shape[1]
-        if offset + T > self.max_len:
-            start = f" after {offset} cached positions" if offset else ""
-            raise ValueError(f"GPT: {arg} has length {T}{start}, more than max_len={self.max_len}")
-        return T
+    # -- checks at the door: a call from outside (the model's own calls trust it) -----------------------------------
+    def _check_forward(self, tokens) -> None:
+        self._check_tokens(tokens, 0)
+
+    def _check_forward_step(self, tokens, cache: dict) -> None:
+        self._check_tokens(tokens, cache.get("length", 0))
+
+    def _check_generate(self, tokens, max_new_tokens, temperature, top_k, rng):
+        """(max_new_tokens, temperature, top_k, a numpy Generator), checked with the prompt."""
+        T0 = self._check_tokens(tokens, 0)
+        return check_generate("GPT.generate", T0, max_new_tokens, temperature, top_k, rng, self.vocab_size,
+                              self.max_len)  # fmt: skip
+
+    def _check_tokens(self, tokens, offset: int) -> int:
+        check_indices("GPT: tokens", tokens, self.vocab_size)
+        return check_token_window("GPT", tokens.shape, offset, self.max_len)
 
     def attention_weights(self) -> list[np.ndarray]:
         """[(B, H, T, T) per layer]: the last forward's self-attention weights."""
@@ -249,7 +247,3 @@ class GPT(Module):
     def extra_repr(self) -> str:
         c = self.config
         return ", ".join(f"{k}={c[k]!r}" for k in ("norm", "positional", "activation", "n_kv_heads", "tie_output"))
-
-
-_ARGS = ("vocab_size", "d_model", "n_heads", "d_ff", "n_layers", "max_len", "dropout", "norm", "positional",
-         "activation", "n_kv_heads", "tie_output")  # fmt: skip

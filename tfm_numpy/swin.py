@@ -18,42 +18,22 @@ import math
 
 import numpy as np
 
-from tfm_common.images import check_swin_config
+from tfm_common.config import SWIN_ARGS, check_swin_config, check_window_grid, swin_shift
 from tfm_common.validate import check_size
 
 from .layers import Dropout, LayerNorm, Linear
-from .module import Module, ModuleList, Parameter, as_rng, check_dtype, check_grad, check_input
+from .module import Module, ModuleList, Parameter, as_rng, check_dtype, check_input
 from .sublayers import PositionwiseFeedForward
 from .vit import PatchEmbedding
 
-__all__ = [
-    "window_partition",
-    "window_reverse",
-    "cyclic_shift",
-    "shifted_window_mask",
-    "relative_position_index",
-    "WindowAttention",
-    "SwinBlock",
-    "PatchMerging",
-    "Swin",
-]
-
-
-def _check_grid(owner: str, H: int, W: int, window_size: int, shift: int = 0) -> None:
-    check_size(owner, "H", H)
-    check_size(owner, "W", W)
-    check_size(owner, "window_size", window_size)
-    check_size(owner, "shift", shift, minimum=0)
-    if H % window_size or W % window_size:
-        raise ValueError(f"{owner}: window_size={window_size} must divide H={H} and W={W}")
-    if shift >= window_size:
-        raise ValueError(f"{owner}: shift must be in [0, window_size={window_size}), got {shift}")
+__all__ = ["window_partition", "window_reverse", "cyclic_shift", "shifted_window_mask", "relative_position_index",
+           "WindowAttention", "SwinBlock", "PatchMerging", "Swin"]  # fmt: skip
 
 
 def window_partition(x: np.ndarray, window_size: int) -> np.ndarray:
     """(B, H, W, C) -> (B nW, M M, C): non-overlapping M x M windows, each a short sequence of its own."""
     B, H, W, C = x.shape
-    _check_grid("window_partition", H, W, window_size)
+    check_window_grid("window_partition", H, W, window_size)
     M = window_size
     x = x.reshape(B, H // M, M, W // M, M, C).transpose(0, 1, 3, 2, 4, 5)  # (B, H/M, W/M, M, M, C)
     return x.reshape(-1, M * M, C)
@@ -61,7 +41,7 @@ def window_partition(x: np.ndarray, window_size: int) -> np.ndarray:
 
 def window_reverse(windows: np.ndarray, window_size: int, H: int, W: int) -> np.ndarray:
     """(B nW, M M, C) -> (B, H, W, C): the inverse of `window_partition`."""
-    _check_grid("window_reverse", H, W, window_size)
+    check_window_grid("window_reverse", H, W, window_size)
     M, C = window_size, windows.shape[-1]
     x = windows.reshape(-1, H // M, W // M, M, M, C).transpose(0, 1, 3, 2, 4, 5)  # (B, H/M, M, W/M, M, C)
     return x.reshape(-1, H, W, C)
@@ -80,7 +60,7 @@ def shifted_window_mask(H: int, W: int, window_size: int, shift: int) -> np.ndar
     the top), the columns alike; two tokens may attend to each other iff their (row, column) labels are equal.
     With shift = 0 every entry is True.
     """
-    _check_grid("shifted_window_mask", H, W, window_size, shift)
+    check_window_grid("shifted_window_mask", H, W, window_size, shift)
     M = window_size
     label = np.zeros((1, H, W, 1), dtype=np.int64)
     if shift:
@@ -120,15 +100,15 @@ class WindowAttention(Module):
         if d_model % n_heads:
             raise ValueError(f"WindowAttention: d_model={d_model} must be divisible by n_heads={n_heads}")
         self.d_model, self.n_heads, self.d_head, self.window_size = d_model, n_heads, d_model // n_heads, M
-        dt, g = check_dtype(dtype), as_rng(rng)
-        self.q_proj = Linear(d_model, d_model, rng=g, dtype=dt)
-        self.k_proj = Linear(d_model, d_model, rng=g, dtype=dt)
-        self.v_proj = Linear(d_model, d_model, rng=g, dtype=dt)
-        self.out_proj = Linear(d_model, d_model, rng=g, dtype=dt)
-        table = 0.02 * g.standard_normal(((2 * M - 1) ** 2, n_heads))
+        dt, rng = check_dtype(dtype), as_rng(rng)
+        self.q_proj = Linear(d_model, d_model, rng=rng, dtype=dt)
+        self.k_proj = Linear(d_model, d_model, rng=rng, dtype=dt)
+        self.v_proj = Linear(d_model, d_model, rng=rng, dtype=dt)
+        self.out_proj = Linear(d_model, d_model, rng=rng, dtype=dt)
+        table = 0.02 * rng.standard_normal(((2 * M - 1) ** 2, n_heads))
         self.relative_position_bias_table = Parameter(table.astype(dt))
         self.index = relative_position_index(M)  # (M M, M M): a constant, not a parameter
-        self.dropout = Dropout(dropout, rng=g)  # on the attention weights
+        self.dropout = Dropout(dropout, rng=rng)  # on the attention weights
         self.attn_weights: np.ndarray | None = None
 
     def _split(self, x: np.ndarray) -> np.ndarray:
@@ -144,22 +124,17 @@ class WindowAttention(Module):
         return self.relative_position_bias_table.data[self.index].transpose(2, 0, 1)
 
     def forward(self, x: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
-        N = self.window_size**2
-        check_input("WindowAttention", x, ndim_min=3, last_dim=self.d_model, dtype=self.q_proj.weight.dtype)
-        if x.ndim != 3 or x.shape[1] != N:
-            raise ValueError(f"WindowAttention: x expected shape (B nW, {N}, {self.d_model}), got {x.shape}")
         q, k, v = (self._split(p(x)) for p in (self.q_proj, self.k_proj, self.v_proj))  # (Bw, h, N, dk)
         scores = q @ k.transpose(0, 1, 3, 2) * (1.0 / math.sqrt(self.d_head)) + self.bias()  # (Bw, h, N, N)
-        keep = _window_mask(mask, x.shape[0], N)  # (Bw, 1, N, N) or None
+        keep = _window_mask(mask, x.shape[0])  # (Bw, 1, N, N) or None
         p = _masked_softmax(scores, keep)
         p_drop = self.dropout(p)
         self.attn_weights = p
-        self._cache = (q, k, v, p, p_drop, x.shape)
+        self._cache = (q, k, v, p, p_drop)
         return self.out_proj(self._merge(p_drop @ v))  # (Bw, N, d)
 
     def backward(self, grad_out: np.ndarray) -> np.ndarray:
-        q, k, v, p, p_drop, shape = self._saved()
-        check_grad("WindowAttention", grad_out, shape, q.dtype)
+        q, k, v, p, p_drop = self._saved()
         d_ctx = self._split(self.out_proj.backward(grad_out))  # (Bw, h, N, dk)
         dv = p_drop.transpose(0, 1, 3, 2) @ d_ctx
         dp = self.dropout.backward(d_ctx @ v.transpose(0, 1, 3, 2))  # (Bw, h, N, N)
@@ -174,21 +149,30 @@ class WindowAttention(Module):
         dx += self.v_proj.backward(self._merge(dv))  # x fed queries, keys and values: the gradients add
         return dx
 
+    def _check_forward(self, x, mask=None) -> None:
+        """x (B nW, M M, d_model); mask None or a bool (nW, M M, M M) whose nW divides B nW."""
+        N = self.window_size**2
+        check_input("WindowAttention", x, ndim_min=3, last_dim=self.d_model, dtype=self.q_proj.weight.dtype)
+        if x.ndim != 3 or x.shape[1] != N:
+            raise ValueError(f"WindowAttention: x expected shape (B nW, {N}, {self.d_model}), got {x.shape}")
+        if mask is None:
+            return
+        if not isinstance(mask, np.ndarray) or mask.dtype != np.bool_ or mask.ndim != 3 or mask.shape[1:] != (N, N):
+            got = f"{mask.dtype} {mask.shape}" if isinstance(mask, np.ndarray) else type(mask).__name__
+            raise ValueError(f"WindowAttention: mask expected a bool array (nW, {N}, {N}), got {got}")
+        if x.shape[0] % mask.shape[0]:
+            raise ValueError(f"WindowAttention: {x.shape[0]} windows is not a multiple of the mask's {mask.shape[0]}")
+
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, n_heads={self.n_heads}, window_size={self.window_size}"
 
 
-def _window_mask(mask, n_windows_total: int, N: int):
+def _window_mask(mask, n_windows_total: int):
     """(nW, N, N) bool -> (B nW, 1, N, N): window w of every image gets mask[w] (windows are image-major)."""
     if mask is None:
         return None
-    if not isinstance(mask, np.ndarray) or mask.dtype != np.bool_ or mask.ndim != 3 or mask.shape[1:] != (N, N):
-        got = f"{mask.dtype} {mask.shape}" if isinstance(mask, np.ndarray) else type(mask).__name__
-        raise ValueError(f"WindowAttention: mask expected a bool array (nW, {N}, {N}), got {got}")
-    if n_windows_total % mask.shape[0]:
-        raise ValueError(f"WindowAttention: {n_windows_total} windows is not a multiple of the mask's {mask.shape[0]}")
     reps = n_windows_total // mask.shape[0]
-    return np.broadcast_to(mask[None], (reps, *mask.shape)).reshape(n_windows_total, 1, N, N)
+    return np.broadcast_to(mask[None], (reps, *mask.shape)).reshape(n_windows_total, 1, *mask.shape[1:])
 
 
 def _masked_softmax(scores: np.ndarray, keep) -> np.ndarray:
@@ -213,24 +197,20 @@ class SwinBlock(Module):
                  shift: int = 0, dropout: float = 0.0, *, rng=None, dtype=np.float32):  # fmt: skip
         super().__init__()
         H, W = resolution
-        _check_grid("SwinBlock", H, W, window_size, shift)
+        check_window_grid("SwinBlock", H, W, window_size, shift)
         check_size("SwinBlock", "d_ff", d_ff)
-        dt, g = check_dtype(dtype), as_rng(rng)
+        dt, rng = check_dtype(dtype), as_rng(rng)
         self.d_model, self.resolution, self.window_size, self.shift = d_model, (H, W), window_size, shift
         self.norm1 = LayerNorm(d_model, dtype=dt)
-        self.attn = WindowAttention(d_model, n_heads, window_size, dropout, rng=g, dtype=dt)
+        self.attn = WindowAttention(d_model, n_heads, window_size, dropout, rng=rng, dtype=dt)
         self.norm2 = LayerNorm(d_model, dtype=dt)
-        self.ff = PositionwiseFeedForward(d_model, d_ff, dropout, "gelu", rng=g, dtype=dt)
-        self.dropout1 = Dropout(dropout, rng=g)
-        self.dropout2 = Dropout(dropout, rng=g)
+        self.ff = PositionwiseFeedForward(d_model, d_ff, dropout, "gelu", rng=rng, dtype=dt)
+        self.dropout1 = Dropout(dropout, rng=rng)
+        self.dropout2 = Dropout(dropout, rng=rng)
         self.mask = shifted_window_mask(H, W, window_size, shift) if shift else None  # (nW, M M, M M)
 
     def forward(self, x: np.ndarray) -> np.ndarray:
-        H, W = self.resolution
-        check_input("SwinBlock", x, ndim_min=3, last_dim=self.d_model, dtype=self.norm1.weight.dtype)
-        if x.ndim != 3 or x.shape[1] != H * W:
-            raise ValueError(f"SwinBlock: x expected shape (B, {H * W}, {self.d_model}), got {x.shape}")
-        self._cache = (x.shape, x.dtype)
+        self._cache = x.shape  # a forward to differentiate
         x = x + self.dropout1(self._attend(self.norm1(x)))
         return x + self.dropout2(self.ff(self.norm2(x)))  # (B, H W, d)
 
@@ -242,14 +222,21 @@ class SwinBlock(Module):
 
     def _attend_backward(self, grad_out: np.ndarray) -> np.ndarray:
         B, (H, W), M = grad_out.shape[0], self.resolution, self.window_size
-        g = window_partition(cyclic_shift(grad_out.reshape(B, H, W, -1), self.shift), M)  # each step's inverse
-        dgrid = window_reverse(self.attn.backward(g), M, H, W)
+        d_windows = window_partition(cyclic_shift(grad_out.reshape(B, H, W, -1), self.shift), M)  # each step's inverse
+        dgrid = window_reverse(self.attn.backward(d_windows), M, H, W)
         return cyclic_shift(dgrid, -self.shift).reshape(B, H * W, -1)
 
     def backward(self, grad_out: np.ndarray) -> np.ndarray:
-        check_grad("SwinBlock", grad_out, *self._saved())
+        self._saved()  # once per forward
         dx = grad_out + self.norm2.backward(self.ff.backward(self.dropout2.backward(grad_out)))
         return dx + self.norm1.backward(self._attend_backward(self.dropout1.backward(dx)))
+
+    def _check_forward(self, x) -> None:
+        """x (B, H W, d_model), the block's grid of tokens."""
+        (H, W), d = self.resolution, self.d_model
+        check_input("SwinBlock", x, ndim_min=3, last_dim=d, dtype=self.norm1.weight.dtype)
+        if x.ndim != 3 or x.shape[1] != H * W:
+            raise ValueError(f"SwinBlock: x expected shape (B, {H * W}, {d}), got {x.shape}")
 
     def extra_repr(self) -> str:
         return f"resolution={self.resolution}, window_size={self.window_size}, shift={self.shift}"
@@ -274,30 +261,26 @@ class PatchMerging(Module):
         self.reduction = Linear(4 * d_model, 2 * d_model, bias=False, rng=as_rng(rng), dtype=dt)
 
     def forward(self, x: np.ndarray) -> np.ndarray:
-        (H, W), d = self.resolution, self.d_model
-        check_input("PatchMerging", x, ndim_min=3, last_dim=d, dtype=self.norm.weight.dtype)
-        if x.ndim != 3 or x.shape[1] != H * W:
-            raise ValueError(f"PatchMerging: x expected shape (B, {H * W}, {d}), got {x.shape}")
+        (H, W), d, B = self.resolution, self.d_model, x.shape[0]
         self._cache = x.shape
-        B = x.shape[0]
         # (B, H/2, 2 [row parity], W/2, 2 [col parity], d) -> (B, H/2, W/2, col parity, row parity, d): Swin's order
-        g = x.reshape(B, H // 2, 2, W // 2, 2, d).transpose(0, 1, 3, 4, 2, 5).reshape(B, H * W // 4, 4 * d)
-        return self.reduction(self.norm(g))  # (B, H W / 4, 2d)
+        groups = x.reshape(B, H // 2, 2, W // 2, 2, d).transpose(0, 1, 3, 4, 2, 5).reshape(B, H * W // 4, 4 * d)
+        return self.reduction(self.norm(groups))  # (B, H W / 4, 2d)
 
     def backward(self, grad_out: np.ndarray) -> np.ndarray:
         shape = self._saved()
         (H, W), d, B = self.resolution, self.d_model, shape[0]
-        check_grad("PatchMerging", grad_out, (B, H * W // 4, 2 * d), self.norm.weight.dtype)
-        dg = self.norm.backward(self.reduction.backward(grad_out))  # (B, H W / 4, 4d)
-        return dg.reshape(B, H // 2, W // 2, 2, 2, d).transpose(0, 1, 4, 2, 3, 5).reshape(shape)
+        d_groups = self.norm.backward(self.reduction.backward(grad_out))  # (B, H W / 4, 4d)
+        return d_groups.reshape(B, H // 2, W // 2, 2, 2, d).transpose(0, 1, 4, 2, 3, 5).reshape(shape)
+
+    def _check_forward(self, x) -> None:
+        (H, W), d = self.resolution, self.d_model
+        check_input("PatchMerging", x, ndim_min=3, last_dim=d, dtype=self.norm.weight.dtype)
+        if x.ndim != 3 or x.shape[1] != H * W:
+            raise ValueError(f"PatchMerging: x expected shape (B, {H * W}, {d}), got {x.shape}")
 
     def extra_repr(self) -> str:
         return f"resolution={self.resolution}, d_model={self.d_model}"
-
-
-def _shift(j: int, window_size: int, grid: int) -> int:
-    """Block j of a stage: regular windows for even j, shifted by M // 2 for odd j (none if one window covers all)."""
-    return 0 if j % 2 == 0 or window_size >= grid else window_size // 2
 
 
 class Swin(Module):
@@ -326,27 +309,22 @@ class Swin(Module):
         dtype=np.float32,
     ):
         super().__init__()
-        self.config = c = check_swin_config("Swin", dict(
-            image_size=image_size, patch_size=patch_size, in_channels=in_channels, n_classes=n_classes,
-            d_model=d_model, depths=depths, n_heads=n_heads, window_size=window_size, mlp_ratio=mlp_ratio,
-            dropout=dropout))  # fmt: skip
-        dt, g = check_dtype(dtype), as_rng(rng)
-        self.patch_embed = PatchEmbedding(image_size, patch_size, in_channels, d_model, rng=g, dtype=dt)
-        self.dropout = Dropout(dropout, rng=g)
+        self.config = c = check_swin_config("Swin", {k: v for k, v in locals().items() if k in SWIN_ARGS})
+        dt, rng = check_dtype(dtype), as_rng(rng)
+        self.patch_embed = PatchEmbedding(image_size, patch_size, in_channels, d_model, rng=rng, dtype=dt)
+        self.dropout = Dropout(dropout, rng=rng)
         self.stages, self.merges = ModuleList(), ModuleList()
         grid, dim = image_size // patch_size, d_model
         for i, (depth, heads) in enumerate(zip(c["depths"], c["n_heads"], strict=True)):
-            blocks = [
-                SwinBlock(dim, heads, mlp_ratio * dim, (grid, grid), window_size, _shift(j, window_size, grid), dropout,
-                          rng=g, dtype=dt)
-                for j in range(depth)
-            ]  # fmt: skip
+            shifts = [swin_shift(j, window_size, grid) for j in range(depth)]  # 0, M/2, 0, M/2, ...
+            block = dict(resolution=(grid, grid), window_size=window_size, dropout=dropout, rng=rng, dtype=dt)
+            blocks = [SwinBlock(dim, heads, mlp_ratio * dim, shift=shift, **block) for shift in shifts]
             self.stages.append(ModuleList(blocks))
             if i < len(c["depths"]) - 1:
-                self.merges.append(PatchMerging((grid, grid), dim, rng=g, dtype=dt))
+                self.merges.append(PatchMerging((grid, grid), dim, rng=rng, dtype=dt))
                 grid, dim = grid // 2, dim * 2
         self.norm = LayerNorm(dim, dtype=dt)
-        self.head = Linear(dim, n_classes, rng=g, dtype=dt)
+        self.head = Linear(dim, n_classes, rng=rng, dtype=dt)
 
     def _blocks(self):
         """Every module of the body in forward order."""
@@ -360,18 +338,19 @@ class Swin(Module):
         for block in self._blocks():
             x = block(x)
         h = self.norm(x)  # (B, N', d')
-        logits = self.head(h.mean(axis=1))  # (B, K)
-        self._cache = (h.shape, logits.shape, logits.dtype)
-        return logits
+        self._cache = h.shape
+        return self.head(h.mean(axis=1))  # (B, K)
 
     def backward(self, grad_logits: np.ndarray) -> np.ndarray:
-        h_shape, *out = self._saved()
-        check_grad("Swin", grad_logits, *out)
+        h_shape = self._saved()
         d_pooled = self.head.backward(grad_logits)  # (B, d')
         dx = self.norm.backward(np.repeat(d_pooled[:, None] / h_shape[1], h_shape[1], axis=1))
         for block in reversed(list(self._blocks())):
             dx = block.backward(dx)
         return self.patch_embed.backward(self.dropout.backward(dx))  # (B, C, H, W)
+
+    def _check_forward(self, images) -> None:
+        self.patch_embed._check_forward(images)
 
     def attention_weights(self) -> list[np.ndarray]:
         """[(B nW, heads, M M, M M) per block] from the last forward."""

@@ -14,11 +14,12 @@ import math
 
 import numpy as np
 
+from tfm_common.config import check_transformer_config
 from tfm_common.pitfalls import LAYER_PITFALLS, MODEL_PITFALLS, check_model_pitfalls
 from tfm_common.validate import check_decode_cache
 
 from .attention import check_attention, use_attention
-from .encoder_decoder import Decoder, Encoder, _check_bool, _check_positive
+from .encoder_decoder import Decoder, Encoder
 from .kv_cache import cache_append
 from .layers import Dropout, Embedding, LayerNorm, Linear
 from .masks import causal_mask, check_mask, decoder_mask, padding_mask
@@ -30,14 +31,10 @@ from .module import (
     check_grad,
     check_indices,
     check_input,
-    check_probability,
 )
 from .positional import LearnedPositionalEmbedding, PositionalEncoding
-from .sublayers import check_activation
 
-__all__ = ["POSITIONAL", "xavier_uniform_", "Transformer"]
-
-POSITIONAL = ("sinusoidal", "learned")
+__all__ = ["xavier_uniform_", "Transformer"]
 
 
 def xavier_uniform_(p: Parameter, rng=None) -> Parameter:
@@ -130,7 +127,7 @@ class Transformer(Module):
         pitfalls = dict(score_scale=score_scale, head_projection=head_projection, dropout_place=dropout_place,
                         ff_dropout=ff_dropout, embed_scale=embed_scale, embed_norm=embed_norm,
                         tgt_padding_mask=tgt_padding_mask)  # fmt: skip
-        self.config = _check_config(
+        self.config = check_transformer_config(
             "Transformer",
             dict(
                 src_vocab_size=src_vocab_size,
@@ -332,32 +329,3 @@ class Transformer(Module):
     def extra_repr(self) -> str:
         c = self.config
         return ", ".join(f"{k}={c[k]!r}" for k in ("norm_first", "positional", "share_embeddings", "tie_output"))
-
-
-def _check_config(owner: str, c: dict) -> dict:
-    """Validate the constructor's arguments before anything is allocated; messages name the argument."""
-    c = dict(c)
-    c.update(_check_positive(owner, **{k: c[k] for k in ("src_vocab_size", "tgt_vocab_size", "d_model", "n_heads",
-                                                         "d_ff", "n_layers", "max_len")}))  # fmt: skip
-    if c["d_model"] % c["n_heads"]:
-        raise ValueError(f"{owner}: d_model={c['d_model']} must be divisible by n_heads={c['n_heads']}")
-    if c["positional"] not in POSITIONAL:
-        raise ValueError(f"{owner}: positional must be one of {POSITIONAL}, got {c['positional']!r}")
-    if c["positional"] == "sinusoidal" and c["d_model"] % 2:
-        raise ValueError(f"{owner}: sinusoidal positions need an even d_model, got d_model={c['d_model']}")
-    c["dropout"] = check_probability(owner, "dropout", c["dropout"], allow_one=False)
-    check_activation(owner, c["activation"])
-    for arg in ("norm_first", "share_embeddings", "tie_output"):
-        c[arg] = _check_bool(owner, arg, c[arg])
-    if c["final_norm"] is not None:
-        c["final_norm"] = _check_bool(owner, "final_norm", c["final_norm"])
-    if c["share_embeddings"] and c["src_vocab_size"] != c["tgt_vocab_size"]:
-        raise ValueError(
-            f"{owner}: share_embeddings=True needs one vocabulary, got src_vocab_size={c['src_vocab_size']} "
-            f"and tgt_vocab_size={c['tgt_vocab_size']}"
-        )
-    pad, n = c["pad_id"], min(c["src_vocab_size"], c["tgt_vocab_size"])
-    if isinstance(pad, (bool, np.bool_)) or not isinstance(pad, (int, np.integer)) or not 0 <= pad < n:
-        raise ValueError(f"{owner}: pad_id must be an int in [0, {n}) (a token of both vocabularies), got {pad!r}")
-    c["pad_id"] = int(pad)
-    return c

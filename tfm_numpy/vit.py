@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from tfm_common.images import check_vit_config
+from tfm_common.config import VIT_ARGS, check_patch_embedding, check_vit_config
 
 from .encoder_decoder import Encoder
 from .layers import Dropout, Linear
-from .module import Module, Parameter, as_rng, check_dtype, check_grad, check_input
+from .module import Module, Parameter, as_rng, check_dtype, check_input
 from .positional import LearnedPositionalEmbedding
 
 __all__ = ["PatchEmbedding", "ViT", "patchify", "unpatchify"]
@@ -40,12 +40,6 @@ def unpatchify(patches: np.ndarray, patch_size: int, channels: int, height: int,
     return x.reshape(B, channels, height, width)
 
 
-def _check_images(owner: str, images, channels: int, size: int, dtype) -> None:
-    check_input(owner, images, ndim_min=4, dtype=dtype)
-    if images.ndim != 4 or tuple(images.shape[1:]) != (channels, size, size):
-        raise ValueError(f"{owner}: images expected shape (B, {channels}, {size}, {size}), got {tuple(images.shape)}")
-
-
 class PatchEmbedding(Module):
     """Cut (B, C, H, W) images into non-overlapping p x p patches and map each to d_model: (B, N, d_model).
 
@@ -56,23 +50,26 @@ class PatchEmbedding(Module):
     def __init__(self, image_size: int, patch_size: int, in_channels: int, d_model: int, *, rng=None,
                  dtype=np.float32):  # fmt: skip
         super().__init__()
-        c = dict(image_size=image_size, patch_size=patch_size, in_channels=in_channels, n_classes=1, d_model=d_model,
-                 n_heads=1, d_ff=1, n_layers=1, dropout=0.0, pool="cls")  # fmt: skip
-        check_vit_config("PatchEmbedding", c)
+        check_patch_embedding("PatchEmbedding", image_size, patch_size, in_channels, d_model)
         self.image_size, self.patch_size, self.in_channels, self.d_model = image_size, patch_size, in_channels, d_model
         self.grid = image_size // patch_size
         self.n_patches = self.grid * self.grid
         self.proj = Linear(in_channels * patch_size * patch_size, d_model, rng=as_rng(rng), dtype=check_dtype(dtype))
 
     def forward(self, images: np.ndarray) -> np.ndarray:
-        _check_images("PatchEmbedding", images, self.in_channels, self.image_size, self.proj.weight.dtype)
         self._cache = images.shape
         return self.proj(patchify(images, self.patch_size))  # (B, N, d)
 
     def backward(self, grad_out: np.ndarray) -> np.ndarray:
         B, C, H, W = self._saved()
-        check_grad("PatchEmbedding", grad_out, (B, self.n_patches, self.d_model), self.proj.weight.dtype)
         return unpatchify(self.proj.backward(grad_out), self.patch_size, C, H, W)  # (B, C, H, W)
+
+    def _check_forward(self, images) -> None:
+        """At the door (and at the door of ViT and Swin, which hand their images straight here)."""
+        check_input("PatchEmbedding", images, ndim_min=4, dtype=self.proj.weight.dtype)
+        C, S = self.in_channels, self.image_size
+        if images.ndim != 4 or tuple(images.shape[1:]) != (C, S, S):
+            raise ValueError(f"PatchEmbedding: images expected shape (B, {C}, {S}, {S}), got {tuple(images.shape)}")
 
     def extra_repr(self) -> str:
         return f"image_size={self.image_size}, patch_size={self.patch_size}, n_patches={self.n_patches}"
@@ -104,19 +101,18 @@ class ViT(Module):
         dtype=np.float32,
     ):
         super().__init__()
-        self.config = check_vit_config("ViT", dict(
-            image_size=image_size, patch_size=patch_size, in_channels=in_channels, n_classes=n_classes,
-            d_model=d_model, n_heads=n_heads, d_ff=d_ff, n_layers=n_layers, dropout=dropout, pool=pool))  # fmt: skip
-        dt, g = check_dtype(dtype), as_rng(rng)
+        self.config = check_vit_config("ViT", {k: v for k, v in locals().items() if k in VIT_ARGS})
+        dt, rng = check_dtype(dtype), as_rng(rng)
         self.pool, self.d_model = pool, d_model
-        self.patch_embed = PatchEmbedding(image_size, patch_size, in_channels, d_model, rng=g, dtype=dt)
+        self.patch_embed = PatchEmbedding(image_size, patch_size, in_channels, d_model, rng=rng, dtype=dt)
         n_tokens = self.patch_embed.n_patches + (pool == "cls")
-        self.cls_token = Parameter((0.02 * g.standard_normal((1, 1, d_model))).astype(dt)) if pool == "cls" else None
-        self.pos_embed = LearnedPositionalEmbedding(n_tokens, d_model, rng=g, dtype=dt)
+        cls = Parameter((0.02 * rng.standard_normal((1, 1, d_model))).astype(dt)) if pool == "cls" else None
+        self.cls_token = cls
+        self.pos_embed = LearnedPositionalEmbedding(n_tokens, d_model, rng=rng, dtype=dt)
         self.pos_embed.weight.data *= dt.type(0.02)
-        self.dropout = Dropout(dropout, rng=g)
-        self.encoder = Encoder(n_layers, d_model, n_heads, d_ff, dropout, "gelu", norm_first=True, rng=g, dtype=dt)
-        self.head = Linear(d_model, n_classes, rng=g, dtype=dt)
+        self.dropout = Dropout(dropout, rng=rng)
+        self.encoder = Encoder(n_layers, d_model, n_heads, d_ff, dropout, "gelu", norm_first=True, rng=rng, dtype=dt)
+        self.head = Linear(d_model, n_classes, rng=rng, dtype=dt)
 
     def forward(self, images: np.ndarray) -> np.ndarray:
         x = self.patch_embed(images)  # (B, N, d)
@@ -125,13 +121,11 @@ class ViT(Module):
             x = np.concatenate([cls, x], axis=1)  # (B, 1 + N, d): the class token first
         h = self.encoder(self.dropout(self.pos_embed(x)))  # (B, T, d), final LayerNorm included
         pooled = h[:, 0] if self.pool == "cls" else h.mean(axis=1)  # (B, d)
-        logits = self.head(pooled)  # (B, K)
-        self._cache = (h.shape, logits.shape, logits.dtype)
-        return logits
+        self._cache = h.shape
+        return self.head(pooled)  # (B, K)
 
     def backward(self, grad_logits: np.ndarray) -> np.ndarray:
-        h_shape, *out = self._saved()
-        check_grad("ViT", grad_logits, *out)
+        h_shape = self._saved()
         d_pooled = self.head.backward(grad_logits)  # (B, d)
         if self.pool == "cls":
             dh = np.zeros(h_shape, dtype=d_pooled.dtype)
@@ -143,6 +137,9 @@ class ViT(Module):
             self.cls_token.grad += dx[:, :1].sum(axis=0, keepdims=True)  # one token shared by every image
             dx = dx[:, 1:]
         return self.patch_embed.backward(np.ascontiguousarray(dx))  # (B, C, H, W)
+
+    def _check_forward(self, images) -> None:
+        self.patch_embed._check_forward(images)
 
     def attention_weights(self) -> list[np.ndarray]:
         """[(B, H, T, T) per layer] from the last forward; with pool="cls", token 0 is the class token."""

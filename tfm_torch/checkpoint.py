@@ -17,6 +17,7 @@ in the optimizer's parameter list, which is the model's `parameters()` order whe
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from tfm_common.npz_checkpoint import (
     READABLE_VERSIONS,
     VERSION,
     atomic_write,
+    build_model,
     check_meta_fields,
     check_model_config,
     check_optim_type,
@@ -38,9 +40,12 @@ from tfm_common.npz_checkpoint import (
     library_version,
     normalize_extra,
     read_npz,
+    tied_groups_of,
     write_npz,
     zip_kind,
 )
+
+from .module import Module
 
 __all__ = ["save_checkpoint", "load_checkpoint", "load_model", "export_npz", "tied_groups"]
 
@@ -92,17 +97,14 @@ def load_model(path, dtype: torch.dtype | None = None) -> nn.Module:
     `extra`, call `load_checkpoint(path, model, optimizer)` on the result."""
     name = "load_model"
     contents = _read_any(path, name)
-    model = _build_model(contents[3], dtype, path, name)
+    model = build_model(contents[3], Module, "tfm_torch", dtype, functools.partial(getattr, torch), path, name)
     _load_into(contents, model, None, path, name)
     return model
 
 
 def tied_groups(model: nn.Module) -> list[list[str]]:
     """The state_dict names of each parameter that appears under more than one name (a tied weight)."""
-    names: dict[int, list[str]] = {}
-    for key, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(key)
-    return [keys for keys in names.values() if len(keys) > 1]
+    return tied_groups_of(model.named_parameters(remove_duplicate=False))
 
 
 def _read_any(path, name: str) -> tuple:
@@ -116,29 +118,6 @@ def _read_any(path, name: str) -> tuple:
         state_np, optim_np, extra, meta = read_npz(path, name)
         return {k: torch.from_numpy(v) for k, v in state_np.items()}, optim_np, extra, meta, "npz"
     return (*_read_torch(path, name), "torch")
-
-
-def _build_model(meta: dict | None, dtype, path, name: str) -> nn.Module:
-    import tfm_torch  # the package's public classes: a checkpoint names one of them, never arbitrary code
-
-    if meta is None:
-        raise ValueError(
-            f"{name}: {os.fspath(path)!r} records no model configuration (a version-1 file, or a model without a "
-            "`config`): build the model yourself and call load_checkpoint(path, model); saving it again writes a "
-            "version-2 file"
-        )
-    cls = getattr(tfm_torch, meta["class"], None)
-    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-        raise ValueError(
-            f"{name}: {os.fspath(path)!r} names a model class {meta['class']!r} that tfm_torch does not have"
-        )
-    dtype = getattr(torch, meta["dtype"]) if dtype is None else dtype
-    try:
-        return cls(**meta["config"], dtype=dtype)
-    except (TypeError, ValueError) as e:
-        raise ValueError(
-            f"{name}: cannot build {meta['class']} from the configuration in {os.fspath(path)!r}: {e}"
-        ) from e
 
 
 def _load_into(contents: tuple, model: nn.Module, optimizer, path, name: str) -> dict:
@@ -208,13 +187,10 @@ def _check_optim_state(optimizer: torch.optim.Optimizer, sd, name: str) -> None:
     """torch's own `load_state_dict` checks the group sizes but not the moments' shapes: check them here."""
     if not isinstance(sd, dict) or set(sd) != {"state", "param_groups"}:
         raise KeyError(f"{name}: the optimizer state must have keys ['param_groups', 'state'], got {sorted(sd)}")
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    sizes = [len(g["params"]) for g in sd["param_groups"]]
-    if sizes != [len(g["params"]) for g in optimizer.param_groups]:
-        raise ValueError(
-            f"{name}: the optimizer has param groups of sizes {[len(g['params']) for g in optimizer.param_groups]}, "
-            f"the checkpoint {sizes}"
-        )
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    sizes, own = ([len(group["params"]) for group in groups] for groups in (sd["param_groups"], optimizer.param_groups))
+    if sizes != own:
+        raise ValueError(f"{name}: the optimizer has param groups of sizes {own}, the checkpoint {sizes}")
     for i, st in sd["state"].items():
         if not 0 <= int(i) < len(params):
             raise KeyError(f"{name}: optimizer state for parameter {i}, but the optimizer has {len(params)}")

@@ -1,8 +1,8 @@
 """Helpers shared by the torch track: explicit generators and input checks.
 
 The torch twin of `tfm_numpy.module`: modules here derive from `Module` below, a `torch.nn.Module` whose
-`load_state_dict` is all or nothing; the rest of the contract (named_parameters, state_dict, train/eval,
-zero_grad) is torch's own.
+`load_state_dict` is all or nothing and whose `num_parameters` counts a tied weight once; the rest of the contract
+(named_parameters, state_dict, train/eval, zero_grad) is torch's own.
 """
 
 from __future__ import annotations
@@ -146,6 +146,10 @@ class Module(torch.nn.Module):
             if callable(method) and not getattr(method, "_at_boundary", False):
                 setattr(cls, name, _at_the_door(method))
 
+    def num_parameters(self) -> int:
+        """Unique parameters (a tied one counted once), as tfm_numpy's Module.num_parameters."""
+        return sum(p.numel() for p in self.parameters())
+
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         own = self.state_dict(keep_vars=True)
         missing, unexpected = sorted(set(own) - set(state_dict)), sorted(set(state_dict) - set(own))
@@ -157,7 +161,3 @@ class Module(torch.nn.Module):
                 got = tuple(value.shape) if hasattr(value, "shape") else type(value).__name__
                 raise ValueError(f"load_state_dict: '{name}' expected shape {tuple(own[name].shape)}, got {got}")
         return super().load_state_dict(state, strict=strict, assign=assign)
-
-    def num_parameters(self) -> int:
-        """Unique parameters (a tied one counted once), as tfm_numpy's Module.num_parameters."""
-        return sum(p.numel() for p in self.parameters())

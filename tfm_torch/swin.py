@@ -8,7 +8,7 @@ import math
 import torch
 from torch import nn
 
-from tfm_common.images import check_swin_config
+from tfm_common.config import SWIN_ARGS, check_swin_config, check_window_grid, swin_shift
 from tfm_common.validate import check_size
 
 from .layers import Dropout, LayerNorm, Linear
@@ -16,41 +16,21 @@ from .module import Module, as_generator, check_dtype, check_input
 from .sublayers import PositionwiseFeedForward
 from .vit import PatchEmbedding
 
-__all__ = [
-    "window_partition",
-    "window_reverse",
-    "cyclic_shift",
-    "shifted_window_mask",
-    "relative_position_index",
-    "WindowAttention",
-    "SwinBlock",
-    "PatchMerging",
-    "Swin",
-]
-
-
-def _check_grid(owner: str, H: int, W: int, window_size: int, shift: int = 0) -> None:
-    check_size(owner, "H", H)
-    check_size(owner, "W", W)
-    check_size(owner, "window_size", window_size)
-    check_size(owner, "shift", shift, minimum=0)
-    if H % window_size or W % window_size:
-        raise ValueError(f"{owner}: window_size={window_size} must divide H={H} and W={W}")
-    if shift >= window_size:
-        raise ValueError(f"{owner}: shift must be in [0, window_size={window_size}), got {shift}")
+__all__ = ["window_partition", "window_reverse", "cyclic_shift", "shifted_window_mask", "relative_position_index",
+           "WindowAttention", "SwinBlock", "PatchMerging", "Swin"]  # fmt: skip
 
 
 def window_partition(x: torch.Tensor, window_size: int) -> torch.Tensor:
     """(B, H, W, C) -> (B nW, M M, C)."""
     B, H, W, C = x.shape
-    _check_grid("window_partition", H, W, window_size)
+    check_window_grid("window_partition", H, W, window_size)
     M = window_size
     return x.reshape(B, H // M, M, W // M, M, C).permute(0, 1, 3, 2, 4, 5).reshape(-1, M * M, C)
 
 
 def window_reverse(windows: torch.Tensor, window_size: int, H: int, W: int) -> torch.Tensor:
     """(B nW, M M, C) -> (B, H, W, C)."""
-    _check_grid("window_reverse", H, W, window_size)
+    check_window_grid("window_reverse", H, W, window_size)
     M, C = window_size, windows.shape[-1]
     return windows.reshape(-1, H // M, W // M, M, M, C).permute(0, 1, 3, 2, 4, 5).reshape(-1, H, W, C)
 
@@ -62,7 +42,7 @@ def cyclic_shift(x: torch.Tensor, shift: int) -> torch.Tensor:
 
 def shifted_window_mask(H: int, W: int, window_size: int, shift: int) -> torch.Tensor:
     """(nW, M M, M M) torch.bool, True = may attend (see tfm_numpy.shifted_window_mask)."""
-    _check_grid("shifted_window_mask", H, W, window_size, shift)
+    check_window_grid("shifted_window_mask", H, W, window_size, shift)
     M = window_size
     label = torch.zeros(1, H, W, 1, dtype=torch.int64)
     if shift:
@@ -93,15 +73,15 @@ class WindowAttention(Module):
         if d_model % n_heads:
             raise ValueError(f"WindowAttention: d_model={d_model} must be divisible by n_heads={n_heads}")
         self.d_model, self.n_heads, self.d_head, self.window_size = d_model, n_heads, d_model // n_heads, M
-        dt, g = check_dtype(dtype), as_generator(rng)
-        self.q_proj = Linear(d_model, d_model, rng=g, dtype=dt)
-        self.k_proj = Linear(d_model, d_model, rng=g, dtype=dt)
-        self.v_proj = Linear(d_model, d_model, rng=g, dtype=dt)
-        self.out_proj = Linear(d_model, d_model, rng=g, dtype=dt)
-        table = 0.02 * torch.randn((2 * M - 1) ** 2, n_heads, generator=g, dtype=dt)
+        dt, rng = check_dtype(dtype), as_generator(rng)
+        self.q_proj = Linear(d_model, d_model, rng=rng, dtype=dt)
+        self.k_proj = Linear(d_model, d_model, rng=rng, dtype=dt)
+        self.v_proj = Linear(d_model, d_model, rng=rng, dtype=dt)
+        self.out_proj = Linear(d_model, d_model, rng=rng, dtype=dt)
+        table = 0.02 * torch.randn((2 * M - 1) ** 2, n_heads, generator=rng, dtype=dt)
         self.relative_position_bias_table = nn.Parameter(table)
         self.register_buffer("index", relative_position_index(M), persistent=False)  # not a state_dict key
-        self.dropout = Dropout(dropout, rng=g)
+        self.dropout = Dropout(dropout, rng=rng)
         self.attn_weights: torch.Tensor | None = None
 
     def _split(self, x: torch.Tensor) -> torch.Tensor:
@@ -117,32 +97,39 @@ class WindowAttention(Module):
         return self.relative_position_bias_table[self.index].permute(2, 0, 1)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        N = self.window_size**2
-        check_input("WindowAttention", x, ndim_min=3, last_dim=self.d_model, dtype=self.q_proj.weight.dtype)
-        if x.dim() != 3 or x.shape[1] != N:
-            raise ValueError(f"WindowAttention: x expected shape (B nW, {N}, {self.d_model}), got {tuple(x.shape)}")
-        q, k, v = (self._split(p(x)) for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = (self._split(p(x)) for p in (self.q_proj, self.k_proj, self.v_proj))  # (Bw, h, N, dk)
         scores = q @ k.transpose(-1, -2) * (1.0 / math.sqrt(self.d_head)) + self.bias()  # (Bw, h, N, N)
-        keep = _window_mask(mask, x.shape[0], N)
+        keep = _window_mask(mask, x.shape[0])  # (Bw, 1, N, N) or None
         if keep is not None:
             scores = scores.masked_fill(~keep, float("-inf"))
         p = torch.softmax(scores, dim=-1)
         self.attn_weights = p.detach()
         return self.out_proj(self._merge(self.dropout(p) @ v))
 
+    def _check_forward(self, x, mask=None) -> None:
+        """x (B nW, M M, d_model); mask None or a bool (nW, M M, M M) whose nW divides B nW."""
+        N = self.window_size**2
+        check_input("WindowAttention", x, ndim_min=3, last_dim=self.d_model, dtype=self.q_proj.weight.dtype)
+        if x.dim() != 3 or x.shape[1] != N:
+            raise ValueError(f"WindowAttention: x expected shape (B nW, {N}, {self.d_model}), got {tuple(x.shape)}")
+        if mask is None:
+            return
+        is_bool = isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.dim() == 3
+        if not is_bool or mask.shape[1:] != (N, N):
+            got = f"{mask.dtype} {tuple(mask.shape)}" if isinstance(mask, torch.Tensor) else type(mask).__name__
+            raise ValueError(f"WindowAttention: mask expected a bool tensor (nW, {N}, {N}), got {got}")
+        if x.shape[0] % mask.shape[0]:
+            raise ValueError(f"WindowAttention: {x.shape[0]} windows is not a multiple of the mask's {mask.shape[0]}")
+
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, n_heads={self.n_heads}, window_size={self.window_size}"
 
 
-def _window_mask(mask, n_windows_total: int, N: int):
+def _window_mask(mask, n_windows_total: int):
+    """(nW, N, N) bool -> (B nW, 1, N, N): window w of every image gets mask[w] (windows are image-major)."""
     if mask is None:
         return None
-    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 3 or mask.shape[1:] != (N, N):
-        got = f"{mask.dtype} {tuple(mask.shape)}" if isinstance(mask, torch.Tensor) else type(mask).__name__
-        raise ValueError(f"WindowAttention: mask expected a bool tensor (nW, {N}, {N}), got {got}")
-    if n_windows_total % mask.shape[0]:
-        raise ValueError(f"WindowAttention: {n_windows_total} windows is not a multiple of the mask's {mask.shape[0]}")
-    return mask.repeat(n_windows_total // mask.shape[0], 1, 1)[:, None]  # (B nW, 1, N, N)
+    return mask.repeat(n_windows_total // mask.shape[0], 1, 1)[:, None]
 
 
 class SwinBlock(Module):
@@ -152,24 +139,20 @@ class SwinBlock(Module):
                  shift: int = 0, dropout: float = 0.0, *, rng=None, dtype=None):  # fmt: skip
         super().__init__()
         H, W = resolution
-        _check_grid("SwinBlock", H, W, window_size, shift)
+        check_window_grid("SwinBlock", H, W, window_size, shift)
         check_size("SwinBlock", "d_ff", d_ff)
-        dt, g = check_dtype(dtype), as_generator(rng)
+        dt, rng = check_dtype(dtype), as_generator(rng)
         self.d_model, self.resolution, self.window_size, self.shift = d_model, (H, W), window_size, shift
         self.norm1 = LayerNorm(d_model, dtype=dt)
-        self.attn = WindowAttention(d_model, n_heads, window_size, dropout, rng=g, dtype=dt)
+        self.attn = WindowAttention(d_model, n_heads, window_size, dropout, rng=rng, dtype=dt)
         self.norm2 = LayerNorm(d_model, dtype=dt)
-        self.ff = PositionwiseFeedForward(d_model, d_ff, dropout, "gelu", rng=g, dtype=dt)
-        self.dropout1 = Dropout(dropout, rng=g)
-        self.dropout2 = Dropout(dropout, rng=g)
+        self.ff = PositionwiseFeedForward(d_model, d_ff, dropout, "gelu", rng=rng, dtype=dt)
+        self.dropout1 = Dropout(dropout, rng=rng)
+        self.dropout2 = Dropout(dropout, rng=rng)
         mask = shifted_window_mask(H, W, window_size, shift) if shift else None
         self.register_buffer("mask", mask, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        H, W = self.resolution
-        check_input("SwinBlock", x, ndim_min=3, last_dim=self.d_model, dtype=self.norm1.weight.dtype)
-        if x.dim() != 3 or x.shape[1] != H * W:
-            raise ValueError(f"SwinBlock: x expected shape (B, {H * W}, {self.d_model}), got {tuple(x.shape)}")
         x = x + self.dropout1(self._attend(self.norm1(x)))
         return x + self.dropout2(self.ff(self.norm2(x)))
 
@@ -178,6 +161,12 @@ class SwinBlock(Module):
         grid = cyclic_shift(x.reshape(B, H, W, -1), self.shift)
         out = self.attn(window_partition(grid, M), self.mask)
         return cyclic_shift(window_reverse(out, M, H, W), -self.shift).reshape(B, H * W, -1)
+
+    def _check_forward(self, x) -> None:
+        (H, W), d = self.resolution, self.d_model
+        check_input("SwinBlock", x, ndim_min=3, last_dim=d, dtype=self.norm1.weight.dtype)
+        if x.dim() != 3 or x.shape[1] != H * W:
+            raise ValueError(f"SwinBlock: x expected shape (B, {H * W}, {d}), got {tuple(x.shape)}")
 
     def extra_repr(self) -> str:
         return f"resolution={self.resolution}, window_size={self.window_size}, shift={self.shift}"
@@ -198,21 +187,18 @@ class PatchMerging(Module):
         self.reduction = Linear(4 * d_model, 2 * d_model, bias=False, rng=as_generator(rng), dtype=dt)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        (H, W), d, B = self.resolution, self.d_model, x.shape[0]
+        groups = x.reshape(B, H // 2, 2, W // 2, 2, d).permute(0, 1, 3, 4, 2, 5).reshape(B, H * W // 4, 4 * d)
+        return self.reduction(self.norm(groups))
+
+    def _check_forward(self, x) -> None:
         (H, W), d = self.resolution, self.d_model
         check_input("PatchMerging", x, ndim_min=3, last_dim=d, dtype=self.norm.weight.dtype)
         if x.dim() != 3 or x.shape[1] != H * W:
             raise ValueError(f"PatchMerging: x expected shape (B, {H * W}, {d}), got {tuple(x.shape)}")
-        B = x.shape[0]
-        g = x.reshape(B, H // 2, 2, W // 2, 2, d).permute(0, 1, 3, 4, 2, 5).reshape(B, H * W // 4, 4 * d)
-        return self.reduction(self.norm(g))
 
     def extra_repr(self) -> str:
         return f"resolution={self.resolution}, d_model={self.d_model}"
-
-
-def _shift(j: int, window_size: int, grid: int) -> int:
-    """Block j of a stage: regular windows for even j, shifted by M // 2 for odd j (none if one window covers all)."""
-    return 0 if j % 2 == 0 or window_size >= grid else window_size // 2
 
 
 class Swin(Module):
@@ -235,27 +221,22 @@ class Swin(Module):
         dtype=None,
     ):
         super().__init__()
-        self.config = c = check_swin_config("Swin", dict(
-            image_size=image_size, patch_size=patch_size, in_channels=in_channels, n_classes=n_classes,
-            d_model=d_model, depths=depths, n_heads=n_heads, window_size=window_size, mlp_ratio=mlp_ratio,
-            dropout=dropout))  # fmt: skip
-        dt, g = check_dtype(dtype), as_generator(rng)
-        self.patch_embed = PatchEmbedding(image_size, patch_size, in_channels, d_model, rng=g, dtype=dt)
-        self.dropout = Dropout(dropout, rng=g)
+        self.config = c = check_swin_config("Swin", {k: v for k, v in locals().items() if k in SWIN_ARGS})
+        dt, rng = check_dtype(dtype), as_generator(rng)
+        self.patch_embed = PatchEmbedding(image_size, patch_size, in_channels, d_model, rng=rng, dtype=dt)
+        self.dropout = Dropout(dropout, rng=rng)
         self.stages, self.merges = nn.ModuleList(), nn.ModuleList()
         grid, dim = image_size // patch_size, d_model
         for i, (depth, heads) in enumerate(zip(c["depths"], c["n_heads"], strict=True)):
-            blocks = [
-                SwinBlock(dim, heads, mlp_ratio * dim, (grid, grid), window_size, _shift(j, window_size, grid), dropout,
-                          rng=g, dtype=dt)
-                for j in range(depth)
-            ]  # fmt: skip
+            shifts = [swin_shift(j, window_size, grid) for j in range(depth)]  # 0, M/2, 0, M/2, ...
+            block = dict(resolution=(grid, grid), window_size=window_size, dropout=dropout, rng=rng, dtype=dt)
+            blocks = [SwinBlock(dim, heads, mlp_ratio * dim, shift=shift, **block) for shift in shifts]
             self.stages.append(nn.ModuleList(blocks))
             if i < len(c["depths"]) - 1:
-                self.merges.append(PatchMerging((grid, grid), dim, rng=g, dtype=dt))
+                self.merges.append(PatchMerging((grid, grid), dim, rng=rng, dtype=dt))
                 grid, dim = grid // 2, dim * 2
         self.norm = LayerNorm(dim, dtype=dt)
-        self.head = Linear(dim, n_classes, rng=g, dtype=dt)
+        self.head = Linear(dim, n_classes, rng=rng, dtype=dt)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         x = self.dropout(self.patch_embed(images))
@@ -265,6 +246,9 @@ class Swin(Module):
             if i < len(self.merges):
                 x = self.merges[i](x)
         return self.head(self.norm(x).mean(dim=1))
+
+    def _check_forward(self, images) -> None:
+        self.patch_embed._check_forward(images)
 
     def attention_weights(self) -> list[torch.Tensor]:
         return [block.attn.attn_weights for stage in self.stages for block in stage]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tfm_common.images import check_vit_config
+from tfm_common.config import VIT_ARGS, check_patch_embedding, check_vit_config
 
 from .encoder_decoder import Encoder
 from .layers import Dropout, Linear
@@ -32,20 +32,12 @@ def unpatchify(patches: torch.Tensor, patch_size: int, channels: int, height: in
     return x.reshape(B, channels, height, width)
 
 
-def _check_images(owner: str, images, channels: int, size: int, dtype) -> None:
-    check_input(owner, images, ndim_min=4, dtype=dtype)
-    if images.dim() != 4 or tuple(images.shape[1:]) != (channels, size, size):
-        raise ValueError(f"{owner}: images expected shape (B, {channels}, {size}, {size}), got {tuple(images.shape)}")
-
-
 class PatchEmbedding(Module):
     """Non-overlapping p x p patches, each mapped to d_model by one Linear `proj`: (B, C, H, W) -> (B, N, d)."""
 
     def __init__(self, image_size: int, patch_size: int, in_channels: int, d_model: int, *, rng=None, dtype=None):
         super().__init__()
-        c = dict(image_size=image_size, patch_size=patch_size, in_channels=in_channels, n_classes=1, d_model=d_model,
-                 n_heads=1, d_ff=1, n_layers=1, dropout=0.0, pool="cls")  # fmt: skip
-        check_vit_config("PatchEmbedding", c)
+        check_patch_embedding("PatchEmbedding", image_size, patch_size, in_channels, d_model)
         self.image_size, self.patch_size, self.in_channels, self.d_model = image_size, patch_size, in_channels, d_model
         self.grid = image_size // patch_size
         self.n_patches = self.grid * self.grid
@@ -53,8 +45,14 @@ class PatchEmbedding(Module):
         self.proj = Linear(n_in, d_model, rng=as_generator(rng), dtype=check_dtype(dtype))
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        _check_images("PatchEmbedding", images, self.in_channels, self.image_size, self.proj.weight.dtype)
         return self.proj(patchify(images, self.patch_size))  # (B, N, d)
+
+    def _check_forward(self, images) -> None:
+        """At the door (and at the door of ViT and Swin, which hand their images straight here)."""
+        check_input("PatchEmbedding", images, ndim_min=4, dtype=self.proj.weight.dtype)
+        C, S = self.in_channels, self.image_size
+        if images.dim() != 4 or tuple(images.shape[1:]) != (C, S, S):
+            raise ValueError(f"PatchEmbedding: images expected shape (B, {C}, {S}, {S}), got {tuple(images.shape)}")
 
     def extra_repr(self) -> str:
         return f"image_size={self.image_size}, patch_size={self.patch_size}, n_patches={self.n_patches}"
@@ -80,23 +78,21 @@ class ViT(Module):
         dtype=None,
     ):
         super().__init__()
-        self.config = check_vit_config("ViT", dict(
-            image_size=image_size, patch_size=patch_size, in_channels=in_channels, n_classes=n_classes,
-            d_model=d_model, n_heads=n_heads, d_ff=d_ff, n_layers=n_layers, dropout=dropout, pool=pool))  # fmt: skip
-        dt, g = check_dtype(dtype), as_generator(rng)
+        self.config = check_vit_config("ViT", {k: v for k, v in locals().items() if k in VIT_ARGS})
+        dt, rng = check_dtype(dtype), as_generator(rng)
         self.pool, self.d_model = pool, d_model
-        self.patch_embed = PatchEmbedding(image_size, patch_size, in_channels, d_model, rng=g, dtype=dt)
+        self.patch_embed = PatchEmbedding(image_size, patch_size, in_channels, d_model, rng=rng, dtype=dt)
         n_tokens = self.patch_embed.n_patches + (pool == "cls")
         if pool == "cls":
-            self.cls_token = nn.Parameter(0.02 * torch.randn(1, 1, d_model, generator=g, dtype=dt))
+            self.cls_token = nn.Parameter(0.02 * torch.randn(1, 1, d_model, generator=rng, dtype=dt))
         else:
             self.cls_token = None
-        self.pos_embed = LearnedPositionalEmbedding(n_tokens, d_model, rng=g, dtype=dt)
+        self.pos_embed = LearnedPositionalEmbedding(n_tokens, d_model, rng=rng, dtype=dt)
         with torch.no_grad():
             self.pos_embed.weight.mul_(0.02)
-        self.dropout = Dropout(dropout, rng=g)
-        self.encoder = Encoder(n_layers, d_model, n_heads, d_ff, dropout, "gelu", norm_first=True, rng=g, dtype=dt)
-        self.head = Linear(d_model, n_classes, rng=g, dtype=dt)
+        self.dropout = Dropout(dropout, rng=rng)
+        self.encoder = Encoder(n_layers, d_model, n_heads, d_ff, dropout, "gelu", norm_first=True, rng=rng, dtype=dt)
+        self.head = Linear(d_model, n_classes, rng=rng, dtype=dt)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         x = self.patch_embed(images)  # (B, N, d)
@@ -105,6 +101,9 @@ class ViT(Module):
         h = self.encoder(self.dropout(self.pos_embed(x)))  # (B, T, d)
         pooled = h[:, 0] if self.pool == "cls" else h.mean(dim=1)  # (B, d)
         return self.head(pooled)  # (B, K)
+
+    def _check_forward(self, images) -> None:
+        self.patch_embed._check_forward(images)
 
     def attention_weights(self) -> list[torch.Tensor]:
         """[(B, H, T, T) per layer] from the last forward (detached)."""

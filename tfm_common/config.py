@@ -1,0 +1,164 @@
+"""The configuration rules of the models, shared by both tracks: what a Transformer, a GPT, a ViT and a Swin may be
+built with, checked before anything is allocated. One rule per model, so that the NumPy and PyTorch models accept
+and refuse the same constructor arguments with the same messages.
+
+Each `check_<model>_config(owner, c)` takes the constructor's arguments as a dict and returns a clean copy (sizes
+as Python ints, flags as bools): the `config` a model keeps and a checkpoint records.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .validate import check_choice, check_flag, check_real, check_real_arg, check_size, check_sizes
+
+__all__ = ["TRANSFORMER_ARGS", "TRANSFORMER_POSITIONAL", "FF_ACTIVATIONS", "GPT_NORMS", "GPT_POSITIONAL",
+           "GPT_ACTIVATIONS", "GPT_ARGS", "VIT_ARGS", "VIT_POOLS", "SWIN_ARGS", "check_transformer_config",
+           "check_gpt_config", "check_patch_embedding", "check_vit_config", "check_swin_config", "check_window_grid",
+           "swin_shift"]  # fmt: skip
+
+# the Transformer's `config` without its pitfall options (chapter 16a adds those that differ from the paper's)
+TRANSFORMER_ARGS = ("src_vocab_size", "tgt_vocab_size", "d_model", "n_heads", "d_ff", "n_layers", "dropout", "max_len",
+                    "norm_first", "positional", "share_embeddings", "tie_output", "pad_id", "activation",
+                    "final_norm")  # fmt: skip
+TRANSFORMER_POSITIONAL = ("sinusoidal", "learned")
+FF_ACTIVATIONS = ("relu", "gelu")  # the two that torch.nn.TransformerEncoderLayer accepts by name (gelu: exact)
+GPT_NORMS = ("layernorm", "rmsnorm")
+GPT_POSITIONAL = ("learned", "sinusoidal", "rope")
+GPT_ACTIVATIONS = ("gelu", "relu", "swiglu")
+# the GPT's `config`: its constructor's arguments but attention, tile_size, rng and dtype (not what the model is)
+GPT_ARGS = ("vocab_size", "d_model", "n_heads", "d_ff", "n_layers", "max_len", "dropout", "norm", "positional",
+            "activation", "n_kv_heads", "tie_output")  # fmt: skip
+VIT_ARGS = ("image_size", "patch_size", "in_channels", "n_classes", "d_model", "n_heads", "d_ff", "n_layers", "dropout",
+            "pool")  # fmt: skip
+VIT_POOLS = ("cls", "mean")
+SWIN_ARGS = ("image_size", "patch_size", "in_channels", "n_classes", "d_model", "depths", "n_heads", "window_size",
+             "mlp_ratio", "dropout")  # fmt: skip
+
+
+def _check_heads(owner: str, c: dict) -> None:
+    if c["d_model"] % c["n_heads"]:
+        raise ValueError(f"{owner}: d_model={c['d_model']} must be divisible by n_heads={c['n_heads']}")
+
+
+def _check_sinusoidal(owner: str, c: dict) -> None:
+    if c["positional"] == "sinusoidal" and c["d_model"] % 2:
+        raise ValueError(f"{owner}: sinusoidal positions need an even d_model, got d_model={c['d_model']}")
+
+
+def _check_dropout(owner: str, dropout) -> float:
+    """A dropout probability in [0, 1): finite, not a bool."""
+    p = check_real(owner, "dropout", dropout, 0.0, 1.0)
+    if p >= 1:
+        raise ValueError(f"{owner}: dropout must be in [0, 1), got {dropout!r}")
+    return p
+
+
+def check_transformer_config(owner: str, c: dict) -> dict:
+    """The encoder-decoder Transformer's constructor arguments (chapter 10), validated; messages name the argument."""
+    c = dict(c)
+    c.update(check_sizes(owner, **{k: c[k] for k in ("src_vocab_size", "tgt_vocab_size", "d_model", "n_heads",
+                                                     "d_ff", "n_layers", "max_len")}))  # fmt: skip
+    _check_heads(owner, c)
+    check_choice(owner, "positional", c["positional"], TRANSFORMER_POSITIONAL)
+    _check_sinusoidal(owner, c)
+    c["dropout"] = check_real_arg(owner, "dropout", c["dropout"], 0, 1)  # [0, 1)
+    check_choice(owner, "activation", c["activation"], FF_ACTIVATIONS)
+    for arg in ("norm_first", "share_embeddings", "tie_output"):
+        c[arg] = check_flag(owner, arg, c[arg])
+    if c["final_norm"] is not None:
+        c["final_norm"] = check_flag(owner, "final_norm", c["final_norm"])
+    if c["share_embeddings"] and c["src_vocab_size"] != c["tgt_vocab_size"]:
+        raise ValueError(
+            f"{owner}: share_embeddings=True needs one vocabulary, got src_vocab_size={c['src_vocab_size']} "
+            f"and tgt_vocab_size={c['tgt_vocab_size']}"
+        )
+    pad, n = c["pad_id"], min(c["src_vocab_size"], c["tgt_vocab_size"])
+    if isinstance(pad, (bool, np.bool_)) or not isinstance(pad, (int, np.integer)) or not 0 <= pad < n:
+        raise ValueError(f"{owner}: pad_id must be an int in [0, {n}) (a token of both vocabularies), got {pad!r}")
+    c["pad_id"] = int(pad)
+    return c
+
+
+def check_gpt_config(owner: str, c: dict) -> dict:
+    """The GPT's constructor arguments (chapter 17b), validated."""
+    c = dict(c)
+    c.update(check_sizes(owner, **{k: c[k] for k in ("vocab_size", "d_model", "n_heads", "d_ff", "n_layers",
+                                                     "max_len")}))  # fmt: skip
+    _check_heads(owner, c)
+    c["dropout"] = _check_dropout(owner, c["dropout"])
+    check_choice(owner, "norm", c["norm"], GPT_NORMS)
+    check_choice(owner, "positional", c["positional"], GPT_POSITIONAL)
+    check_choice(owner, "activation", c["activation"], GPT_ACTIVATIONS)
+    _check_sinusoidal(owner, c)
+    if c["positional"] == "rope" and (c["d_model"] // c["n_heads"]) % 2:
+        raise ValueError(f"{owner}: rope needs an even d_head = d_model / n_heads, got {c['d_model'] // c['n_heads']}")
+    if c["n_kv_heads"] is not None:
+        c["n_kv_heads"] = check_size(owner, "n_kv_heads", c["n_kv_heads"])
+        if c["n_heads"] % c["n_kv_heads"]:
+            raise ValueError(f"{owner}: n_heads={c['n_heads']} must be divisible by n_kv_heads={c['n_kv_heads']}")
+    c["tie_output"] = check_flag(owner, "tie_output", c["tie_output"])
+    return c
+
+
+def _check_patches(owner: str, image_size: int, patch_size: int) -> None:
+    if image_size % patch_size:
+        raise ValueError(f"{owner}: image_size={image_size} must be divisible by patch_size={patch_size}")
+
+
+def check_patch_embedding(owner: str, image_size, patch_size, in_channels, d_model) -> None:
+    """PatchEmbedding's sizes (ViT's and Swin's first layer): p x p patches that tile the image."""
+    check_sizes(owner, image_size=image_size, patch_size=patch_size, in_channels=in_channels, d_model=d_model)
+    _check_patches(owner, image_size, patch_size)
+
+
+def check_vit_config(owner: str, c: dict) -> dict:
+    """The ViT's constructor arguments (chapter 19), validated."""
+    check_sizes(owner, **{k: c[k] for k in ("image_size", "patch_size", "in_channels", "n_classes", "d_model",
+                                            "n_heads", "d_ff", "n_layers")})  # fmt: skip
+    _check_patches(owner, c["image_size"], c["patch_size"])
+    _check_heads(owner, c)
+    _check_dropout(owner, c["dropout"])
+    check_choice(owner, "pool", c["pool"], VIT_POOLS)
+    return dict(c)
+
+
+def check_swin_config(owner: str, c: dict) -> dict:
+    """The Swin classifier's constructor arguments (chapter 19b): every stage's token grid must split into whole
+    windows, and every stage but the last must have an even grid (patch merging halves it)."""
+    check_sizes(owner, **{k: c[k] for k in ("image_size", "patch_size", "in_channels", "n_classes", "d_model",
+                                            "window_size", "mlp_ratio")})  # fmt: skip
+    _check_patches(owner, c["image_size"], c["patch_size"])
+    depths, heads = tuple(c["depths"]), tuple(c["n_heads"])
+    if not depths or len(depths) != len(heads):
+        raise ValueError(f"{owner}: depths and n_heads must be non-empty and of one length, got {depths}, {heads}")
+    for i, (depth, h) in enumerate(zip(depths, heads, strict=True)):
+        check_size(owner, f"depths[{i}]", depth)
+        check_size(owner, f"n_heads[{i}]", h)
+        grid, dim = c["image_size"] // c["patch_size"] // 2**i, c["d_model"] * 2**i
+        if dim % h:
+            raise ValueError(f"{owner}: stage {i} has d_model {dim}, not divisible by n_heads[{i}]={h}")
+        if grid % c["window_size"]:
+            raise ValueError(f"{owner}: stage {i} has a {grid}x{grid} token grid, not divisible by "
+                             f"window_size={c['window_size']}")  # fmt: skip
+        if i < len(depths) - 1 and grid % 2:
+            raise ValueError(f"{owner}: stage {i} has an odd {grid}x{grid} grid: patch merging needs an even one")
+    _check_dropout(owner, c["dropout"])
+    return {**c, "depths": depths, "n_heads": heads}
+
+
+def check_window_grid(owner: str, H: int, W: int, window_size: int, shift: int = 0) -> None:
+    """An H x W grid of tokens that M x M windows (window_size = M) tile, and a shift in [0, M)."""
+    check_size(owner, "H", H)
+    check_size(owner, "W", W)
+    check_size(owner, "window_size", window_size)
+    check_size(owner, "shift", shift, minimum=0)
+    if H % window_size or W % window_size:
+        raise ValueError(f"{owner}: window_size={window_size} must divide H={H} and W={W}")
+    if shift >= window_size:
+        raise ValueError(f"{owner}: shift must be in [0, window_size={window_size}), got {shift}")
+
+
+def swin_shift(j: int, window_size: int, grid: int) -> int:
+    """Block j of a stage: regular windows for even j, shifted by M // 2 for odd j (none if one window covers all)."""
+    return 0 if j % 2 == 0 or window_size >= grid else window_size // 2

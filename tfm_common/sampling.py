@@ -1,0 +1,69 @@
+"""Sampling the next token, shared by both tracks: one check of the GPT's tokens and `generate`'s arguments, and one
+sampler, so that the NumPy and PyTorch GPTs accept and refuse the same things and, given the same logits and the
+same seed, draw the same tokens.
+
+The sampler works on NumPy float64 logits (the torch track hands over its last position's logits, B x V numbers per
+step): the random numbers come from one `numpy.random.Generator` in both tracks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .validate import check_real, check_seed, check_size
+
+__all__ = ["check_token_window", "check_generate", "as_numpy_rng", "sample_next"]
+
+
+def check_token_window(owner: str, shape: tuple, offset: int, max_len: int) -> int:
+    """Tokens of shape (B, T), T >= 1, that fit in max_len positions after `offset` cached ones; returns T."""
+    if len(shape) != 2 or shape[1] < 1:
+        raise ValueError(f"{owner}: tokens expected shape (B, T) with T >= 1, got {shape}")
+    if offset + shape[1] > max_len:
+        start = f" after {offset} cached positions" if offset else ""
+        raise ValueError(f"{owner}: tokens has length {shape[1]}{start}, more than max_len={max_len}")
+    return shape[1]
+
+
+def as_numpy_rng(owner: str, rng) -> np.random.Generator:
+    """A numpy Generator from a Generator, an int seed or None (seed 0: never hidden global state)."""
+    if isinstance(rng, np.random.Generator):
+        return rng
+    return np.random.default_rng(0 if rng is None else check_seed(owner, rng))
+
+
+def check_generate(owner: str, prompt_length: int, max_new_tokens, temperature, top_k, rng, vocab_size: int,
+                   max_len: int) -> tuple[int, float, int | None, np.random.Generator]:  # fmt: skip
+    """`generate`'s arguments after its prompt (of `prompt_length` tokens, checked by the model): returns
+    (max_new_tokens, temperature >= 0 (0: greedy), top_k None or in [1, vocab_size], a numpy Generator). The last
+    sampled token is never fed back, so a prompt of T0 tokens and n new ones need T0 + n - 1 positions."""
+    n = check_size(owner, "max_new_tokens", max_new_tokens, minimum=0)
+    temperature = check_real(owner, "temperature", temperature, low=0.0)
+    if top_k is not None:
+        top_k = check_size(owner, "top_k", top_k)
+        if top_k > vocab_size:
+            raise ValueError(f"{owner}: top_k must be <= vocab_size={vocab_size}, got {top_k}")
+    if prompt_length + n - 1 > max_len:
+        raise ValueError(f"{owner}: a prompt of {prompt_length} tokens and max_new_tokens={n} need "
+                         f"{prompt_length + n - 1} positions, more than max_len={max_len}")  # fmt: skip
+    return n, temperature, top_k, as_numpy_rng(owner, rng)
+
+
+def sample_next(logits: np.ndarray, temperature: float, top_k: int | None, rng: np.random.Generator) -> np.ndarray:
+    """One token per row from logits (B, V): argmax if temperature == 0, else a draw from softmax(logits / T)
+    restricted to the top_k largest logits (all of them if None; ties with the k-th are kept).
+
+    The draw is by inverse CDF: one uniform u per row, the token is the first whose cumulative probability exceeds
+    u times the total. A zero-probability token is never chosen. Returns (B,) int64.
+    """
+    logits = np.asarray(logits, dtype=np.float64)
+    if temperature == 0:
+        return logits.argmax(axis=-1).astype(np.int64)  # the first of equal maxima, as torch.argmax
+    z = logits / temperature
+    if top_k is not None:
+        kth = np.sort(z, axis=-1)[:, -top_k, None]  # (B, 1): the k-th largest
+        z = np.where(z >= kth, z, -np.inf)
+    p = np.exp(z - z.max(axis=-1, keepdims=True))  # (B, V), unnormalized
+    cdf = np.cumsum(p, axis=-1)
+    u = rng.random(len(p))[:, None] * cdf[:, -1:]  # (B, 1), in [0, total)
+    return np.minimum((cdf <= u).sum(axis=-1), p.shape[-1] - 1).astype(np.int64)
