@@ -40,6 +40,7 @@ __all__ = [
     "History",
     "StepResult",
     "MixedStepResult",
+    "record_overflow",
     "eval_mode",
     "fit",
     "Evaluation",
@@ -60,6 +61,18 @@ def check_finite_step(name: str, loss: float, grad_norm: float) -> None:
             "applied (weights, optimizer state and step count unchanged); lower the lr, clip gradients or check "
             "the batch"
         )
+
+
+def record_overflow(scaler, loss: float, grad_norm: float) -> bool:
+    """After a mixed-precision backward: whether the gradients overflowed (their norm is not finite). A `LossScaler`
+    backs its scale off on an overflow and grows it after enough good steps; without a scaler an overflow is refused
+    (as `check_finite_step` refuses any non-finite step), since nothing would lower the scale next time."""
+    found_inf = not math.isfinite(grad_norm)
+    if scaler is not None:
+        scaler.update(found_inf)
+    elif found_inf:
+        check_finite_step("train_step_mixed", loss, grad_norm)
+    return found_inf
 
 
 def check_step(name: str, model_params, optimizer_params, *, batch=_NOT_GIVEN, micro_batches=_NOT_GIVEN) -> None:

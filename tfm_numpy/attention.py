@@ -7,7 +7,6 @@ attend, broadcasting to the scores `(B, H, Tq, Tk)`) are made and checked in `ma
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import NamedTuple
 
@@ -239,10 +238,16 @@ class MultiHeadAttention(AttentionImpl, Module):
 
     def _make_projections(self, d_model: int, bias: bool, g, dt) -> None:
         """The query, key and value projections: each (d_model -> d_model), every head its own d_k columns."""
-        query_proj = Linear if self._q_scale is None else functools.partial(ScaledLinear, scale=self._q_scale)
-        self.q_proj = query_proj(d_model, d_model, bias, rng=g, dtype=dt)
+        self.q_proj = self._query_projection(d_model, bias, g, dt)
         self.k_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
         self.v_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
+
+    def _query_projection(self, d: int, bias: bool, g, dt) -> Linear:
+        """A (d -> d) Linear for the queries; for chapter 16a's score_scale="d_model", one that scales its output by
+        1/sqrt(H) (the scores then divide by sqrt(d_model), not sqrt(dk)): same weights, same state_dict key."""
+        if self._q_scale is None:
+            return Linear(d, d, bias, rng=g, dtype=dt)
+        return ScaledLinear(d, d, bias, rng=g, dtype=dt, scale=self._q_scale)
 
     def _split(self, x: np.ndarray) -> np.ndarray:
         """(B, T, d) -> (B, H, T, dk). The transpose matters: a bare reshape to (B, H, T, dk) mixes positions."""
@@ -351,8 +356,7 @@ class SharedHeadProjectionAttention(MultiHeadAttention):
 
     def _make_projections(self, d_model: int, bias: bool, g, dt) -> None:
         dk = self.d_head
-        query_proj = Linear if self._q_scale is None else functools.partial(ScaledLinear, scale=self._q_scale)
-        self.q_proj = query_proj(dk, dk, bias, rng=g, dtype=dt)  # one (dk, dk) for every head
+        self.q_proj = self._query_projection(dk, bias, g, dt)  # one (dk, dk) for every head
         self.k_proj = Linear(dk, dk, bias, rng=g, dtype=dt)
         self.v_proj = Linear(dk, dk, bias, rng=g, dtype=dt)
 

@@ -111,6 +111,14 @@ def _forward_rows(q_i, k, v, mask, rows: slice, tile: int, scale: float):
     return out_i, lse_i[..., 0]
 
 
+def _check_saved(grad_out, q, out, lse) -> None:
+    """The backward's own inputs: grad_out shaped like the forward's out, lse (..., Tq) as the forward gave it."""
+    check_grad("flash_attention", grad_out, out.shape, q.dtype)
+    if not isinstance(lse, np.ndarray) or lse.shape != q.shape[:-1] or lse.dtype != q.dtype:
+        got = f"shape {lse.shape}, dtype {lse.dtype}" if isinstance(lse, np.ndarray) else type(lse).__name__
+        raise ValueError(f"flash_attention_backward: lse expected shape {q.shape[:-1]}, dtype {q.dtype}, got {got}")
+
+
 def flash_attention_backward(grad_out, q, k, v, out, lse, mask=None, *, tile_size: int = 64):
     """Backward of `flash_attention`: (dq, dk, dv) from dL/dout (..., Tq, dv), the forward's inputs, its out and lse.
 
@@ -118,10 +126,7 @@ def flash_attention_backward(grad_out, q, k, v, out, lse, mask=None, *, tile_siz
     `tile_size` as in the forward (any tile size gives the same gradients, to rounding).
     """
     tile, mask = _prepare("flash_attention_backward", q, k, v, mask, tile_size)
-    check_grad("flash_attention", grad_out, out.shape, q.dtype)
-    if not isinstance(lse, np.ndarray) or lse.shape != q.shape[:-1] or lse.dtype != q.dtype:
-        got = f"shape {lse.shape}, dtype {lse.dtype}" if isinstance(lse, np.ndarray) else type(lse).__name__
-        raise ValueError(f"flash_attention_backward: lse expected shape {q.shape[:-1]}, dtype {q.dtype}, got {got}")
+    _check_saved(grad_out, q, out, lse)
     scale = 1.0 / math.sqrt(q.shape[-1])
     big_d = (grad_out * out).sum(axis=-1, keepdims=True)  # (..., Tq, 1): D_i = rowsum(dO * O) = rowsum(dP * P)
     lse_safe = np.where(np.isfinite(lse), lse, 0)[..., None]  # (..., Tq, 1); rows with lse = -inf have P = 0

@@ -25,7 +25,7 @@ import numpy as np
 from tfm_common.data import Batch
 from tfm_common.parallel import check_micro_batches, micro_weights, run_processes, split_batch
 from tfm_common.schedules import LossScaler
-from tfm_common.training import HALF, MixedStepResult, StepResult, check_finite_step, check_step
+from tfm_common.training import HALF, MixedStepResult, StepResult, check_step, record_overflow
 from tfm_common.validate import check_choice, check_flag, check_size
 
 from .loss import CrossEntropyLoss
@@ -419,12 +419,8 @@ def train_step_mixed(
         for p in params:  # gradients stored in half, unscaled in float32
             p.grad = to_half(p.grad, half) / np.float32(scale)
         norm = grad_norm(params)
-    found_inf = not np.isfinite(norm)
-    if scaler is not None:
-        scaler.update(found_inf)
+    found_inf = record_overflow(scaler, loss, norm)  # the scale follows; without a scaler, refused
     if found_inf:  # skipped: the model and the optimizer stay as they were
-        if scaler is None:
-            check_finite_step("train_step_mixed", loss, norm)
         return MixedStepResult(loss, norm, True, scale)
     apply_update("train_step_mixed", optimizer, loss, lr, clip_norm)  # clipping, lr, Adam's step (float32)
     return MixedStepResult(loss, norm, False, scale)

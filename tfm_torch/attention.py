@@ -5,7 +5,6 @@ Autograd does the backward. Masks (boolean, True = "may attend") are made and ch
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -149,10 +148,16 @@ class MultiHeadAttention(AttentionImpl, Module):
         self.attn_weights: torch.Tensor | None = None
 
     def _make_projections(self, d_model: int, bias: bool, g, dt) -> None:
-        query_proj = Linear if self._q_scale is None else functools.partial(ScaledLinear, scale=self._q_scale)
-        self.q_proj = query_proj(d_model, d_model, bias, rng=g, dtype=dt)
+        self.q_proj = self._query_projection(d_model, bias, g, dt)
         self.k_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
         self.v_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
+
+    def _query_projection(self, d: int, bias: bool, g, dt) -> Linear:
+        """A (d -> d) Linear for the queries; for chapter 16a's score_scale="d_model", one that scales its output by
+        1/sqrt(H) (the scores then divide by sqrt(d_model), not sqrt(dk)): same weights, same state_dict key."""
+        if self._q_scale is None:
+            return Linear(d, d, bias, rng=g, dtype=dt)
+        return ScaledLinear(d, d, bias, rng=g, dtype=dt, scale=self._q_scale)
 
     def _split(self, x: torch.Tensor) -> torch.Tensor:
         """(B, T, d) -> (B, H, T, dk)."""
@@ -234,8 +239,7 @@ class SharedHeadProjectionAttention(MultiHeadAttention):
 
     def _make_projections(self, d_model: int, bias: bool, g, dt) -> None:
         dk = self.d_head
-        query_proj = Linear if self._q_scale is None else functools.partial(ScaledLinear, scale=self._q_scale)
-        self.q_proj = query_proj(dk, dk, bias, rng=g, dtype=dt)
+        self.q_proj = self._query_projection(dk, bias, g, dt)
         self.k_proj = Linear(dk, dk, bias, rng=g, dtype=dt)
         self.v_proj = Linear(dk, dk, bias, rng=g, dtype=dt)
 

@@ -9,7 +9,6 @@ generator; ours are explicit).
 from __future__ import annotations
 
 import contextlib
-import math
 import pickle
 
 import torch
@@ -19,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 from tfm_common.data import Batch, make_batches
 from tfm_common.parallel import micro_weights, run_processes, split_batch
 from tfm_common.schedules import LossScaler
-from tfm_common.training import HALF, MixedStepResult, StepResult, check_finite_step, check_step
+from tfm_common.training import HALF, MixedStepResult, StepResult, check_step, record_overflow
 from tfm_common.validate import check_choice, check_flag, check_size
 
 from .loss import CrossEntropyLoss
@@ -334,12 +333,8 @@ def train_step_mixed(
             if p.grad is not None:
                 p.grad = to_half(p.grad, half) / scale
     norm = grad_norm(params)
-    found_inf = not math.isfinite(norm)
-    if scaler is not None:
-        scaler.update(found_inf)
+    found_inf = record_overflow(scaler, loss.item(), norm)  # the scale follows; without a scaler, refused
     if found_inf:  # skipped: the model and the optimizer stay as they were
-        if scaler is None:
-            check_finite_step("train_step_mixed", loss.item(), norm)
         return MixedStepResult(loss.item(), norm, True, scale)
     apply_update("train_step_mixed", optimizer, loss.item(), lr, clip_norm)  # clipping, lr, Adam's step (float32)
     return MixedStepResult(loss.item(), norm, False, scale)
