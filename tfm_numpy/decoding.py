@@ -266,7 +266,7 @@ def _next_logits(model, tgt: np.ndarray, memory: np.ndarray, src_mask: np.ndarra
 def _lean_fits(model, tgt: np.ndarray, src_mask: np.ndarray, cache: dict) -> bool:
     """Whether the lean step computes what `model.decode_step` would, to rounding (at the first step of a search)."""
     from .attention import MultiHeadAttention  # here, not at the top: both modules import this one
-    from .encoder_decoder import DecoderLayer
+    from .encoder_decoder import DecoderLayer, DropoutAfterNormDecoderLayer
     from .sublayers import PositionwiseFeedForward
     from .transformer import Transformer
 
@@ -276,7 +276,8 @@ def _lean_fits(model, tgt: np.ndarray, src_mask: np.ndarray, cache: dict) -> boo
     attns = [a for layer in layers for a in (layer.self_attn, layer.cross_attn)]
     return (
         not any(m.training for _, m in model.named_modules())  # dropout off: the searches run in eval mode
-        and all(type(layer) is DecoderLayer and type(layer.ff) is PositionwiseFeedForward for layer in layers)
+        and all(type(layer) in (DecoderLayer, DropoutAfterNormDecoderLayer) for layer in layers)  # eval: the same
+        and all(type(layer.ff) is PositionwiseFeedForward for layer in layers)
         and all(type(a) is MultiHeadAttention and a.attention == "explicit" for a in attns)
         and cache.get("preallocate", True)
         and "layers" not in cache  # a fresh cache
