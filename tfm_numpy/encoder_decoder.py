@@ -72,8 +72,8 @@ class EncoderLayer(EncoderLayerDoor, Module):
         dt, rng = check_dtype(dtype), as_rng(rng)
         attn = dict(score_scale=score_scale, rng=rng, dtype=dt)
         self.self_attn = make_attention(head_projection, d_model, n_heads, dropout, **attn)
-        ff = dict(hidden_dropout=ff_dropout, rng=rng, dtype=dt)
-        self.ff = PositionwiseFeedForward(d_model, d_ff, dropout, activation, **ff)
+        ff_p = dropout if self.ff_dropout else 0.0  # ff_dropout=False (chapter 16a): none on the hidden units
+        self.ff = PositionwiseFeedForward(d_model, d_ff, ff_p, activation, rng=rng, dtype=dt)
         self.norm1 = LayerNorm(d_model, dtype=dt)
         self.norm2 = LayerNorm(d_model, dtype=dt)
         self.dropout1 = Dropout(dropout, rng=rng)  # on the self-attention's output, before the residual sum
@@ -154,8 +154,8 @@ class DecoderLayer(DecoderLayerDoor, Module):
         attn = dict(score_scale=score_scale, rng=rng, dtype=dt)
         self.self_attn = make_attention(head_projection, d_model, n_heads, dropout, **attn)
         self.cross_attn = make_attention(head_projection, d_model, n_heads, dropout, **attn)
-        ff = dict(hidden_dropout=ff_dropout, rng=rng, dtype=dt)
-        self.ff = PositionwiseFeedForward(d_model, d_ff, dropout, activation, **ff)
+        ff_p = dropout if self.ff_dropout else 0.0  # ff_dropout=False (chapter 16a): none on the hidden units
+        self.ff = PositionwiseFeedForward(d_model, d_ff, ff_p, activation, rng=rng, dtype=dt)
         self.norm1 = LayerNorm(d_model, dtype=dt)
         self.norm2 = LayerNorm(d_model, dtype=dt)
         self.norm3 = LayerNorm(d_model, dtype=dt)

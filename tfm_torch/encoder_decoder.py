@@ -60,8 +60,8 @@ class EncoderLayer(EncoderLayerDoor, _Counted):
         dt, gen = check_dtype(dtype), as_generator(rng)
         attn = dict(score_scale=score_scale, rng=gen, dtype=dt)
         self.self_attn = make_attention(head_projection, d_model, n_heads, dropout, **attn)
-        ff = dict(hidden_dropout=ff_dropout, rng=gen, dtype=dt)
-        self.ff = PositionwiseFeedForward(d_model, d_ff, dropout, activation, **ff)
+        ff_p = dropout if self.ff_dropout else 0.0  # ff_dropout=False (chapter 16a): none on the hidden units
+        self.ff = PositionwiseFeedForward(d_model, d_ff, ff_p, activation, rng=gen, dtype=dt)
         self.norm1 = LayerNorm(d_model, dtype=dt)
         self.norm2 = LayerNorm(d_model, dtype=dt)
         self.dropout1 = Dropout(dropout, rng=gen)
@@ -113,8 +113,8 @@ class DecoderLayer(DecoderLayerDoor, _Counted):
         attn = dict(score_scale=score_scale, rng=gen, dtype=dt)
         self.self_attn = make_attention(head_projection, d_model, n_heads, dropout, **attn)
         self.cross_attn = make_attention(head_projection, d_model, n_heads, dropout, **attn)
-        ff = dict(hidden_dropout=ff_dropout, rng=gen, dtype=dt)
-        self.ff = PositionwiseFeedForward(d_model, d_ff, dropout, activation, **ff)
+        ff_p = dropout if self.ff_dropout else 0.0  # ff_dropout=False (chapter 16a): none on the hidden units
+        self.ff = PositionwiseFeedForward(d_model, d_ff, ff_p, activation, rng=gen, dtype=dt)
         self.norm1 = LayerNorm(d_model, dtype=dt)
         self.norm2 = LayerNorm(d_model, dtype=dt)
         self.norm3 = LayerNorm(d_model, dtype=dt)
