@@ -207,10 +207,10 @@ def test_bad_input_is_a_clear_error(track):
 
 def tiny_model(track, attention, seed=0, norm_first=False):
     kw = dict(d_model=16, n_heads=2, d_ff=24, n_layers=2, dropout=0.0, max_len=16, norm_first=norm_first)
-    m = tn.Transformer(13, 11, **kw, attention=attention, block_size=3, rng=seed, dtype=np.float64)
+    m = tn.Transformer(13, 11, **kw, attention=attention, tile_size=3, rng=seed, dtype=np.float64)
     if track == "numpy":
         return m
-    twin = tt.Transformer(13, 11, **kw, attention=attention, block_size=3, rng=seed, dtype=torch.float64)
+    twin = tt.Transformer(13, 11, **kw, attention=attention, tile_size=3, rng=seed, dtype=torch.float64)
     twin.load_state_dict({k: torch.from_numpy(v) for k, v in m.state_dict().items()})
     return twin
 
@@ -294,6 +294,6 @@ def test_flash_refuses_attention_dropout_in_training_and_bad_options(track):
     with pytest.raises(ValueError, match=r"MultiHeadAttention: attention must be one of \('explicit', 'flash'[,)]"):
         lib.MultiHeadAttention(8, 2, attention="tiled")
     with pytest.raises(ValueError, match=r"Transformer: tile_size must be an int >= 1, got 0"):
-        lib.Transformer(5, 5, d_model=8, n_heads=2, d_ff=8, n_layers=1, block_size=0)
+        lib.Transformer(5, 5, d_model=8, n_heads=2, d_ff=8, n_layers=1, tile_size=0)
     with pytest.raises(ValueError, match=r"use_attention: attention must be one of"):
         lib.use_attention(mha, "fast")

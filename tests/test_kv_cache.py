@@ -16,10 +16,10 @@ TGT = np.array([[BOS, 4, 8, 3, 6, 5], [BOS, 6, 3, EOS, PAD, PAD]])
 
 def make(track, attention="explicit", max_len=12):
     m = tn.Transformer(11, 9, d_model=16, n_heads=2, d_ff=32, n_layers=2, max_len=max_len, dropout=0.0,
-                       attention=attention, block_size=2, rng=0, dtype=np.float64)  # fmt: skip
+                       attention=attention, tile_size=2, rng=0, dtype=np.float64)  # fmt: skip
     if track == "numpy":
         return m, tn, np.asarray
-    twin = tt.Transformer(**m.config, attention=attention, block_size=2, rng=0, dtype=torch.float64)
+    twin = tt.Transformer(**m.config, attention=attention, tile_size=2, rng=0, dtype=torch.float64)
     twin.load_state_dict({k: torch.from_numpy(v) for k, v in m.state_dict().items()})
     return twin.eval(), tt, torch.from_numpy
 

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .validate import check_size
+
 __all__ = [
     "PAD",
     "BOS",
@@ -69,14 +71,6 @@ def _rng(rng, name: str) -> np.random.Generator:
     if rng is None or (isinstance(rng, numbers.Integral) and not isinstance(rng, bool)):
         return np.random.default_rng(0 if rng is None else int(rng))
     raise TypeError(f"{name}: rng expected a numpy.random.Generator, an int seed or None, got {type(rng).__name__}")
-
-
-def _check_int(name: str, arg: str, value, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name}: {arg} expected an int, got {type(value).__name__}")
-    if value < low:
-        raise ValueError(f"{name}: {arg} must be >= {low}, got {value}")
-    return int(value)
 
 
 # -- vocabulary ----------------------------------------------------------------------------------------------
@@ -219,10 +213,10 @@ def _tokenize(text, level: str, name: str) -> list[str]:
 
 
 def _random_strings(name, n, min_len, max_len, n_symbols, rng, exclude) -> list[str]:
-    n = _check_int(name, "n", n, 0)
-    min_len = _check_int(name, "min_len", min_len, 1)
-    max_len = _check_int(name, "max_len", max_len, min_len)
-    n_symbols = _check_int(name, "n_symbols", n_symbols, 1)
+    n = check_size(name, "n", n, 0, say_int=False)
+    min_len = check_size(name, "min_len", min_len, 1, say_int=False)
+    max_len = check_size(name, "max_len", max_len, min_len, say_int=False)
+    n_symbols = check_size(name, "n_symbols", n_symbols, 1, say_int=False)
     if n_symbols > len(SYMBOLS):
         raise ValueError(f"{name}: n_symbols must be <= {len(SYMBOLS)}, got {n_symbols}")
     g = _rng(rng, name)
@@ -290,11 +284,14 @@ def number_splits(
     splits. Deterministic given `seed` (an int or a Generator); each array is in the drawn (random) order.
     """
     name = "number_splits"
-    max_number = _check_int(name, "max_number", max_number, 0)
-    min_number = _check_int(name, "min_number", min_number, 0)
+    max_number = check_size(name, "max_number", max_number, 0, say_int=False)
+    min_number = check_size(name, "min_number", min_number, 0, say_int=False)
     if min_number > max_number:
         raise ValueError(f"{name}: min_number must be <= max_number, got {min_number} > {max_number}")
-    sizes = [_check_int(name, arg, v, 0) for arg, v in (("n_train", n_train), ("n_valid", n_valid), ("n_test", n_test))]
+    sizes = [
+        check_size(name, arg, v, 0, say_int=False)
+        for arg, v in (("n_train", n_train), ("n_valid", n_valid), ("n_test", n_test))
+    ]
     available = max_number - min_number + 1
     if sum(sizes) > available:
         raise ValueError(
@@ -410,7 +407,7 @@ def make_batches(
     reproducible order each epoch. With shuffle=False the order is deterministic without any rng.
     """
     name = "make_batches"
-    batch_size = _check_int(name, "batch_size", batch_size, 1)
+    batch_size = check_size(name, "batch_size", batch_size, 1, say_int=False)
     pairs = list(pairs_ids)
     if not pairs:
         raise ValueError(f"{name}: pairs_ids is empty")

@@ -16,6 +16,7 @@ __all__ = [
     "EMBED_SCALES",
     "LAYER_PITFALLS",
     "MODEL_PITFALLS",
+    "check_layer_pitfalls",
     "check_model_pitfalls",
 ]
 
@@ -37,6 +38,15 @@ _CHOICES = {
 }
 
 
+def check_layer_pitfalls(owner: str, norm_first: bool, dropout_place="sublayer", ff_dropout=True) -> tuple[str, bool]:
+    """An encoder or decoder layer's own options: where the residual dropout sits, whether the feed-forward's hidden
+    units get one. Moving the dropout after the LayerNorm needs a LayerNorm after the sum: Post-LN."""
+    dropout_place = check_choice(owner, "dropout_place", dropout_place, DROPOUT_PLACES)
+    if norm_first and dropout_place == "after_norm":
+        raise ValueError(f"{owner}: dropout_place='after_norm' needs Post-LN (norm_first=False), got norm_first=True")
+    return dropout_place, check_flag(owner, "ff_dropout", ff_dropout)
+
+
 def check_model_pitfalls(owner: str, norm_first: bool, options: dict) -> dict:
     """Validate the pitfall options (names as MODEL_PITFALLS); return the ones that differ from the defaults."""
     unknown = sorted(set(options) - set(MODEL_PITFALLS))
@@ -50,6 +60,5 @@ def check_model_pitfalls(owner: str, norm_first: bool, options: dict) -> dict:
             value = check_flag(owner, name, value)
         if value != MODEL_PITFALLS[name]:
             out[name] = value
-    if norm_first and out.get("dropout_place") == "after_norm":
-        raise ValueError(f"{owner}: dropout_place='after_norm' needs Post-LN (norm_first=False), got norm_first=True")
+    check_layer_pitfalls(owner, norm_first, out.get("dropout_place", "sublayer"))
     return out

@@ -9,25 +9,39 @@ almost always a bug (`d_model / n_heads`).
 
 from __future__ import annotations
 
-import math
 import numbers
 
 import numpy as np
 
-__all__ = ["check_size", "check_sizes", "check_flag", "check_choice", "check_seed", "check_real", "check_real_arg",
-           "check_adam_args", "normalized_shape", "check_decode_cache"]  # fmt: skip
+__all__ = ["check_size", "check_sizes", "check_flag", "check_choice", "check_seed", "check_real", "check_probability",
+           "check_padding_idx", "check_positions", "check_adam_args", "normalized_shape",
+           "check_decode_cache"]  # fmt: skip
 
 
 def _is_int(value) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
-def check_size(owner: str, arg: str, value, minimum: int = 1) -> int:
-    """An integer size >= `minimum`, returned as a Python int; the message names owner, argument and value."""
-    if not _is_int(value):
-        raise TypeError(f"{owner}: {arg} expected an int, got {type(value).__name__} {value!r}")
-    if value < minimum:
+def check_size(
+    owner: str, arg: str, value, minimum: int = 1, *, allow_none: bool = False, wrong_type=TypeError, say_int=True
+) -> int | None:
+    """The one integer check: an int (Python or NumPy, not a bool) >= `minimum`, returned as a Python int.
+
+    The exception policy: a value below `minimum` raises ValueError; a value that is not an int raises
+    `wrong_type`, TypeError everywhere except the decoding functions' arguments (greedy_decode's max_len,
+    beam_search's beam_size, ...), which have always raised ValueError for both (`wrong_type=ValueError`).
+    `allow_none` lets None through (returned as None). The ValueError says "must be an int >= 1" (sizes, decoding)
+    or, with `say_int=False`, "must be >= 1" (the data and training helpers' counts: their TypeError says "int").
+    """
+    if value is None and allow_none:
+        return None
+    if not _is_int(value) and wrong_type is ValueError:
         raise ValueError(f"{owner}: {arg} must be an int >= {minimum}, got {value!r}")
+    if not _is_int(value):
+        none = " or None" if allow_none else ""
+        raise TypeError(f"{owner}: {arg} expected an int{none}, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{owner}: {arg} must be {'an int ' if say_int else ''}>= {minimum}, got {value!r}")
     return int(value)
 
 
@@ -60,33 +74,73 @@ def check_seed(owner: str, value) -> int:
     return int(value)
 
 
-def check_real(owner: str, arg: str, value, low: float | None = None, high: float | None = None) -> float:
-    """A finite real number (not a bool) in [low, high] where given."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real) or not np.isfinite(value):
+def check_real(
+    owner: str, arg: str, value, low=None, high=None, *, high_open: bool = False, nonfinite=TypeError
+) -> float:
+    """The one real-number check: a finite real number (not a bool) in [low, high] (or [low, high) with
+    `high_open`) where the bounds are given, returned as a float.
+
+    The exception policy: a value that is not a real number raises TypeError, one out of range ValueError; a
+    non-finite one (nan, inf) raises `nonfinite`: TypeError for the constructors' constants (eps, base, timeout,
+    ...), ValueError for the optimizers' arguments and probabilities (`check_adam_args`, `check_probability`), as
+    each always has. Bounds print as given: pass 0 and 1 to read "[0, 1)".
+    """
+    finite_word = "finite " if nonfinite is TypeError else ""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{owner}: {arg} expected a {finite_word}float, got {type(value).__name__} {value!r}")
+    if not np.isfinite(value) and nonfinite is TypeError:
         raise TypeError(f"{owner}: {arg} expected a finite float, got {value!r}")
-    if (low is not None and value < low) or (high is not None and value > high):
-        raise ValueError(f"{owner}: {arg} must be in [{low}, {high}], got {value!r}")
+    above = high is None or (value < high if high_open else value <= high)
+    if not (np.isfinite(value) and (low is None or low <= value) and above):
+        lower = "(-inf" if low is None else f"[{low}"
+        upper = "inf)" if high is None else f"{high}{')' if high_open else ']'}"
+        raise ValueError(f"{owner}: {arg} must be in {lower}, {upper}, got {value}")
     return float(value)
 
 
 def check_real_arg(name: str, arg: str, value, low: float, high: float | None = None, high_open=True) -> float:
-    """A finite real number (not a bool) >= low, and below (or up to) high where given; the optimizers' rule."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name}: {arg} expected a float, got {type(value).__name__}")
-    ok = low <= value and (high is None or (value < high if high_open else value <= high)) and math.isfinite(value)
-    if not ok:
-        bound = f"[{low}, {high})" if high is not None else f">= {low} and finite"
-        raise ValueError(f"{name}: {arg} must be {'in ' if high is not None else ''}{bound}, got {value}")
-    return float(value)
+    """`check_real` with the optimizers' policy (kept for tfm_numpy.optim's import until it calls check_real)."""
+    return check_real(name, arg, value, low, high, high_open=high_open, nonfinite=ValueError)
+
+
+def check_probability(owner: str, arg: str, p, allow_one: bool) -> float:
+    """A probability in [0, 1) (a dropout rate) or [0, 1] (label smoothing); the message names the argument."""
+    return check_real(owner, arg, p, 0, 1, high_open=not allow_one, nonfinite=ValueError)
+
+
+def check_padding_idx(owner: str, padding_idx, num_embeddings: int) -> int | None:
+    """torch's rule: padding_idx None, or an int in [-num_embeddings, num_embeddings), negative counting from the
+    end; returned as the row it names (in [0, num_embeddings))."""
+    if padding_idx is None:
+        return None
+    if not _is_int(padding_idx):
+        raise TypeError(f"{owner}: padding_idx expected an int or None, got {type(padding_idx).__name__}")
+    if not -num_embeddings <= padding_idx < num_embeddings:
+        raise ValueError(f"{owner}: padding_idx must be in [-{num_embeddings}, {num_embeddings}), got {padding_idx}")
+    return int(padding_idx) % num_embeddings
+
+
+def check_positions(owner: str, T: int, offset: int, max_len: int) -> None:
+    """Positions offset .. offset + T - 1 of a table of max_len (a positional encoding's, read at `offset`)."""
+    if offset < 0:
+        raise ValueError(f"{owner}: offset must be >= 0, got {offset}")
+    if offset + T > max_len:
+        start = f" starting at position {offset}" if offset else ""
+        raise ValueError(f"{owner}: sequence length {T}{start} exceeds max_len {max_len}")
 
 
 def check_adam_args(name: str, lr, betas, eps, weight_decay) -> tuple[float, tuple[float, float], float, float]:
     """Adam's arguments, checked alike in both tracks: lr >= 0, betas a pair in [0, 1), eps >= 0, weight_decay >= 0."""
-    lr = check_real_arg(name, "lr", lr, 0.0)
+    real = dict(nonfinite=ValueError)
+    lr = check_real(name, "lr", lr, 0.0, **real)
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise ValueError(f"{name}: betas expected a pair (beta1, beta2), got {betas!r}")
-    betas = tuple(check_real_arg(name, f"betas[{i}]", b, 0.0, 1.0) for i, b in enumerate(betas))
-    return lr, betas, check_real_arg(name, "eps", eps, 0.0), check_real_arg(name, "weight_decay", weight_decay, 0.0)
+    betas = tuple(check_real(name, f"betas[{i}]", b, 0.0, 1.0, high_open=True, **real) for i, b in enumerate(betas))
+    eps, weight_decay = (
+        check_real(name, "eps", eps, 0.0, **real),
+        check_real(name, "weight_decay", weight_decay, 0.0, **real),
+    )
+    return lr, betas, eps, weight_decay
 
 
 def normalized_shape(owner: str, value) -> tuple[int, ...]:

@@ -18,74 +18,36 @@ here and the feed-forward network is one submodule, `ff` (torch's `linear1`, `li
 Options for the pitfalls of chapter 16a (keyword-only; the defaults are the paper's and change nothing):
 `score_scale` and `head_projection` go to the attentions (see `MultiHeadAttention`, `make_attention`),
 `ff_dropout=False` removes the feed-forward's hidden dropout, and `dropout_place="after_norm"` (Post-LN only)
-moves the residual dropout from the sublayer's output to after the LayerNorm: x = dropout(norm(x + sublayer(x))).
-The stacks pass their keyword `**layer_options` on to every layer.
+builds the variant `DropoutAfterNormEncoderLayer` (`...DecoderLayer`), whose residual dropout follows the LayerNorm:
+x = dropout(norm(x + sublayer(x))). The stacks pass their keyword `**layer_options` on to every layer.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from tfm_common.doors import DecoderLayerDoor, EncoderLayerDoor, StackDoor
 from tfm_common.pitfalls import DROPOUT_PLACES
-from tfm_common.validate import check_choice, check_flag, check_sizes
+from tfm_common.validate import check_flag, check_sizes
 
+from .attention import _check_mask as check_mask
 from .attention import make_attention
 from .layers import Dropout, LayerNorm
-from .module import Module, ModuleList, as_rng, check_dtype, check_grad, check_input
+from .module import Module, ModuleList, as_rng, check_dtype, check_input
 from .sublayers import PositionwiseFeedForward, check_activation
 
-__all__ = ["DROPOUT_PLACES", "EncoderLayer", "DecoderLayer", "Encoder", "Decoder"]
+__all__ = ["DROPOUT_PLACES", "EncoderLayer", "DecoderLayer", "DropoutAfterNormEncoderLayer",
+           "DropoutAfterNormDecoderLayer", "Encoder", "Decoder"]  # fmt: skip
 
 
-def _check_bool(owner: str, arg: str, value) -> bool:
-    return check_flag(owner, arg, value)
-
-
-def _check_positive(owner: str, **sizes) -> dict[str, int]:
-    return check_sizes(owner, **sizes)
-
-
-def _check_options(owner: str, norm_first: bool, dropout_place, ff_dropout) -> tuple[str, bool]:
-    """The layer's pitfall options: where the residual dropout sits, and whether the FFN's hidden units get one."""
-    dropout_place = check_choice(owner, "dropout_place", dropout_place, DROPOUT_PLACES)
-    if norm_first and dropout_place == "after_norm":
-        raise ValueError(f"{owner}: dropout_place='after_norm' needs Post-LN (norm_first=False), got norm_first=True")
-    return dropout_place, check_flag(owner, "ff_dropout", ff_dropout)
-
-
-class _Residual(Module):
-    """Where a layer's residual dropout goes: on the sublayer's output (`_sub`) or after the LayerNorm (`_post`)."""
-
-    def _sub(self, drop: Dropout, y: np.ndarray) -> np.ndarray:
-        return drop(y) if self.dropout_place == "sublayer" else y
-
-    def _sub_backward(self, drop: Dropout, g: np.ndarray) -> np.ndarray:
-        return drop.backward(g) if self.dropout_place == "sublayer" else g
-
-    def _post(self, drop: Dropout, y: np.ndarray) -> np.ndarray:
-        return drop(y) if self.dropout_place == "after_norm" else y
-
-    def _post_backward(self, drop: Dropout, g: np.ndarray) -> np.ndarray:
-        return drop.backward(g) if self.dropout_place == "after_norm" else g
-
-    def _options_repr(self) -> str:
-        opts = {"dropout_place": (self.dropout_place, "sublayer"), "ff_dropout": (self.ff_dropout, True)}
-        return "".join(f", {k}={v!r}" for k, (v, default) in opts.items() if v != default)
-
-
-def _check_x(name: str, x, norm: LayerNorm) -> None:
-    """A (B, T, d_model) float array of the parameters' dtype (read off a LayerNorm of the layer)."""
-    check_input(name, x, ndim_min=3, last_dim=norm.normalized_shape[0], dtype=norm.weight.dtype)
-    if x.ndim != 3:
-        raise ValueError(f"{name}: expected shape (B, T, d_model), got {x.shape}")
-
-
-class EncoderLayer(_Residual):
+class EncoderLayer(EncoderLayerDoor, Module):
     """Self-attention, then a position-wise feed-forward network, each in a residual connection with a LayerNorm.
 
     forward(x (B, S, d), src_mask (B, 1, 1, S) or None) -> (B, S, d); backward(dy) -> dx.
     After a forward, `self_attn.attn_weights` holds the attention weights (B, H, S, S).
     """
+
+    _check_float, _check_mask = staticmethod(check_input), staticmethod(check_mask)  # the door's checks
 
     def __init__(
         self,
@@ -104,64 +66,59 @@ class EncoderLayer(_Residual):
         dtype=np.float32,
     ):
         super().__init__()
-        _check_positive("EncoderLayer", d_model=d_model, n_heads=n_heads, d_ff=d_ff)
+        check_sizes("EncoderLayer", d_model=d_model, n_heads=n_heads, d_ff=d_ff)
         check_activation("EncoderLayer", activation)
-        self.norm_first = _check_bool("EncoderLayer", "norm_first", norm_first)
-        self.dropout_place, self.ff_dropout = _check_options("EncoderLayer", norm_first, dropout_place, ff_dropout)
-        dt, g = check_dtype(dtype), as_rng(rng)
-        attn = dict(score_scale=score_scale, rng=g, dtype=dt)
+        self._options("EncoderLayer", norm_first, dropout_place, ff_dropout)
+        dt, rng = check_dtype(dtype), as_rng(rng)
+        attn = dict(score_scale=score_scale, rng=rng, dtype=dt)
         self.self_attn = make_attention(head_projection, d_model, n_heads, dropout, **attn)
-        ff = dict(hidden_dropout=ff_dropout, rng=g, dtype=dt)
-        self.ff = PositionwiseFeedForward(d_model, d_ff, dropout, activation, **ff)
+        ff_p = dropout if self.ff_dropout else 0.0  # ff_dropout=False (chapter 16a): none on the hidden units
+        self.ff = PositionwiseFeedForward(d_model, d_ff, ff_p, activation, rng=rng, dtype=dt)
         self.norm1 = LayerNorm(d_model, dtype=dt)
         self.norm2 = LayerNorm(d_model, dtype=dt)
-        self.dropout1 = Dropout(dropout, rng=g)  # on the self-attention's output, before the residual sum
-        self.dropout2 = Dropout(dropout, rng=g)  # on the feed-forward's output
+        self.dropout1 = Dropout(dropout, rng=rng)  # on the self-attention's output, before the residual sum
+        self.dropout2 = Dropout(dropout, rng=rng)  # on the feed-forward's output
 
     def forward(self, x: np.ndarray, src_mask: np.ndarray | None = None) -> np.ndarray:
-        _check_x("EncoderLayer: x", x, self.norm1)
-        self._cache = (x.shape, x.dtype)
+        self._cache = (x.shape, x.dtype)  # a backward may follow, once
         if self.norm_first:
             x = x + self._sa_block(self.norm1(x), src_mask)
             x = x + self._ff_block(self.norm2(x))
         else:
-            x = self._post(self.dropout1, self.norm1(x + self._sa_block(x, src_mask)))
-            x = self._post(self.dropout2, self.norm2(x + self._ff_block(x)))
+            x = self.norm1(x + self._sa_block(x, src_mask))
+            x = self.norm2(x + self._ff_block(x))
         return x  # (B, S, d)
 
     def backward(self, grad_out: np.ndarray) -> np.ndarray:
-        check_grad("EncoderLayer", grad_out, *self._saved())
+        self._saved()
         # A residual x + f(x) passes its gradient on unchanged AND through f: d(x + f(x)) = dy + f'(x)^T dy.
         dx = grad_out
         if self.norm_first:
             dx = dx + self.norm2.backward(self._ff_block_backward(dx))
             dx = dx + self.norm1.backward(self._sa_block_backward(dx))
         else:
-            dx = self.norm2.backward(self._post_backward(self.dropout2, dx))
+            dx = self.norm2.backward(dx)
             dx = dx + self._ff_block_backward(dx)
-            dx = self.norm1.backward(self._post_backward(self.dropout1, dx))
+            dx = self.norm1.backward(dx)
             dx = dx + self._sa_block_backward(dx)
         return dx  # (B, S, d)
 
     # -- the two sublayers, each with its backward --------------------------------------------------------------
     def _sa_block(self, x: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
-        return self._sub(self.dropout1, self.self_attn(x, x, x, mask))  # (B, S, d)
+        return self.dropout1(self.self_attn(x, x, x, mask))  # (B, S, d)
 
     def _sa_block_backward(self, grad_out: np.ndarray) -> np.ndarray:
-        d_query, d_key, d_value = self.self_attn.backward(self._sub_backward(self.dropout1, grad_out))
+        d_query, d_key, d_value = self.self_attn.backward(self.dropout1.backward(grad_out))
         return d_query + d_key + d_value  # x fed all three inputs: its gradient is the sum
 
     def _ff_block(self, x: np.ndarray) -> np.ndarray:
-        return self._sub(self.dropout2, self.ff(x))  # (B, S, d)
+        return self.dropout2(self.ff(x))  # (B, S, d)
 
     def _ff_block_backward(self, grad_out: np.ndarray) -> np.ndarray:
-        return self.ff.backward(self._sub_backward(self.dropout2, grad_out))
-
-    def extra_repr(self) -> str:
-        return f"norm_first={self.norm_first}{self._options_repr()}"
+        return self.ff.backward(self.dropout2.backward(grad_out))
 
 
-class DecoderLayer(_Residual):
+class DecoderLayer(DecoderLayerDoor, Module):
     """Masked self-attention, cross-attention to the encoder's output, feed-forward; each sublayer in a residual
     connection with a LayerNorm.
 
@@ -171,6 +128,8 @@ class DecoderLayer(_Residual):
     After a forward, `self_attn.attn_weights` (B, H, T, T) and `cross_attn.attn_weights` (B, H, T, S).
     """
 
+    _check_float, _check_mask = staticmethod(check_input), staticmethod(check_mask)  # the door's checks
+
     def __init__(
         self,
         d_model: int,
@@ -188,22 +147,21 @@ class DecoderLayer(_Residual):
         dtype=np.float32,
     ):
         super().__init__()
-        _check_positive("DecoderLayer", d_model=d_model, n_heads=n_heads, d_ff=d_ff)
+        check_sizes("DecoderLayer", d_model=d_model, n_heads=n_heads, d_ff=d_ff)
         check_activation("DecoderLayer", activation)
-        self.norm_first = _check_bool("DecoderLayer", "norm_first", norm_first)
-        self.dropout_place, self.ff_dropout = _check_options("DecoderLayer", norm_first, dropout_place, ff_dropout)
-        dt, g = check_dtype(dtype), as_rng(rng)
-        attn = dict(score_scale=score_scale, rng=g, dtype=dt)
+        self._options("DecoderLayer", norm_first, dropout_place, ff_dropout)
+        dt, rng = check_dtype(dtype), as_rng(rng)
+        attn = dict(score_scale=score_scale, rng=rng, dtype=dt)
         self.self_attn = make_attention(head_projection, d_model, n_heads, dropout, **attn)
         self.cross_attn = make_attention(head_projection, d_model, n_heads, dropout, **attn)
-        ff = dict(hidden_dropout=ff_dropout, rng=g, dtype=dt)
-        self.ff = PositionwiseFeedForward(d_model, d_ff, dropout, activation, **ff)
+        ff_p = dropout if self.ff_dropout else 0.0  # ff_dropout=False (chapter 16a): none on the hidden units
+        self.ff = PositionwiseFeedForward(d_model, d_ff, ff_p, activation, rng=rng, dtype=dt)
         self.norm1 = LayerNorm(d_model, dtype=dt)
         self.norm2 = LayerNorm(d_model, dtype=dt)
         self.norm3 = LayerNorm(d_model, dtype=dt)
-        self.dropout1 = Dropout(dropout, rng=g)
-        self.dropout2 = Dropout(dropout, rng=g)
-        self.dropout3 = Dropout(dropout, rng=g)
+        self.dropout1 = Dropout(dropout, rng=rng)
+        self.dropout2 = Dropout(dropout, rng=rng)
+        self.dropout3 = Dropout(dropout, rng=rng)
 
     def forward(
         self,
@@ -212,17 +170,15 @@ class DecoderLayer(_Residual):
         tgt_mask: np.ndarray | None = None,
         memory_mask: np.ndarray | None = None,
     ) -> np.ndarray:
-        _check_x("DecoderLayer: x", x, self.norm1)
-        _check_x("DecoderLayer: memory", memory, self.norm1)
-        self._cache = (x.shape, x.dtype)
+        self._cache = (x.shape, x.dtype)  # a backward may follow, once
         if self.norm_first:
             x = x + self._sa_block(self.norm1(x), tgt_mask)
             x = x + self._mha_block(self.norm2(x), memory, memory_mask)
             x = x + self._ff_block(self.norm3(x))
         else:
-            x = self._post(self.dropout1, self.norm1(x + self._sa_block(x, tgt_mask)))
-            x = self._post(self.dropout2, self.norm2(x + self._mha_block(x, memory, memory_mask)))
-            x = self._post(self.dropout3, self.norm3(x + self._ff_block(x)))
+            x = self.norm1(x + self._sa_block(x, tgt_mask))
+            x = self.norm2(x + self._mha_block(x, memory, memory_mask))
+            x = self.norm3(x + self._ff_block(x))
         return x  # (B, T, d)
 
     def forward_step(
@@ -236,8 +192,6 @@ class DecoderLayer(_Residual):
         """`forward` for the new target positions x (B, Tn, d) only, the earlier ones' keys and values read from
         `cache` (a dict, empty at the first step; inference only). tgt_mask (B, 1, Tn, T) covers all T positions
         so far. The same sublayers as `forward`, with the attentions' `forward_step` (see MultiHeadAttention)."""
-        _check_x("DecoderLayer: x", x, self.norm1)
-        _check_x("DecoderLayer: memory", memory, self.norm1)
         self._cache = None  # inference only: a backward after this is an error
         sa, ca = cache.setdefault("self_attn", {}), cache.setdefault("cross_attn", {})
         if self.norm_first:
@@ -245,19 +199,19 @@ class DecoderLayer(_Residual):
             x = x + self._mha_block_step(self.norm2(x), memory, memory_mask, ca)
             x = x + self._ff_block(self.norm3(x))
         else:
-            x = self._post(self.dropout1, self.norm1(x + self._sa_block_step(x, tgt_mask, sa)))
-            x = self._post(self.dropout2, self.norm2(x + self._mha_block_step(x, memory, memory_mask, ca)))
-            x = self._post(self.dropout3, self.norm3(x + self._ff_block(x)))
+            x = self.norm1(x + self._sa_block_step(x, tgt_mask, sa))
+            x = self.norm2(x + self._mha_block_step(x, memory, memory_mask, ca))
+            x = self.norm3(x + self._ff_block(x))
         return x  # (B, Tn, d)
 
     def _sa_block_step(self, x: np.ndarray, mask: np.ndarray | None, cache: dict) -> np.ndarray:
-        return self._sub(self.dropout1, self.self_attn.forward_step(x, x, x, cache, mask))  # new keys/values appended
+        return self.dropout1(self.self_attn.forward_step(x, x, x, cache, mask))  # new keys/values appended
 
     def _mha_block_step(self, x: np.ndarray, memory: np.ndarray, mask: np.ndarray | None, cache: dict) -> np.ndarray:
-        return self._sub(self.dropout2, self.cross_attn.forward_step(x, memory, memory, cache, mask, static=True))
+        return self.dropout2(self.cross_attn.forward_step(x, memory, memory, cache, mask, static=True))
 
     def backward(self, grad_out: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        check_grad("DecoderLayer", grad_out, *self._saved())
+        self._saved()
         dx = grad_out
         if self.norm_first:
             dx = dx + self.norm3.backward(self._ff_block_backward(dx))
@@ -265,40 +219,86 @@ class DecoderLayer(_Residual):
             dx = dx + self.norm2.backward(d_query)
             dx = dx + self.norm1.backward(self._sa_block_backward(dx))
         else:
-            dx = self.norm3.backward(self._post_backward(self.dropout3, dx))
+            dx = self.norm3.backward(dx)
             dx = dx + self._ff_block_backward(dx)
-            dx = self.norm2.backward(self._post_backward(self.dropout2, dx))
+            dx = self.norm2.backward(dx)
             d_query, d_memory = self._mha_block_backward(dx)
-            dx = self.norm1.backward(self._post_backward(self.dropout1, dx + d_query))
+            dx = self.norm1.backward(dx + d_query)
             dx = dx + self._sa_block_backward(dx)
         return dx, d_memory  # (B, T, d), (B, S, d)
 
     # -- the three sublayers, each with its backward ------------------------------------------------------------
     def _sa_block(self, x: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
-        return self._sub(self.dropout1, self.self_attn(x, x, x, mask))  # (B, T, d)
+        return self.dropout1(self.self_attn(x, x, x, mask))  # (B, T, d)
 
     def _sa_block_backward(self, grad_out: np.ndarray) -> np.ndarray:
-        d_query, d_key, d_value = self.self_attn.backward(self._sub_backward(self.dropout1, grad_out))
+        d_query, d_key, d_value = self.self_attn.backward(self.dropout1.backward(grad_out))
         return d_query + d_key + d_value
 
     def _mha_block(self, x: np.ndarray, memory: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
-        return self._sub(self.dropout2, self.cross_attn(x, memory, memory, mask))  # queries x, keys/values memory
+        return self.dropout2(self.cross_attn(x, memory, memory, mask))  # queries x, keys/values memory
 
     def _mha_block_backward(self, grad_out: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        d_query, d_key, d_value = self.cross_attn.backward(self._sub_backward(self.dropout2, grad_out))
+        d_query, d_key, d_value = self.cross_attn.backward(self.dropout2.backward(grad_out))
         return d_query, d_key + d_value  # memory fed both the keys and the values
 
     def _ff_block(self, x: np.ndarray) -> np.ndarray:
-        return self._sub(self.dropout3, self.ff(x))  # (B, T, d)
+        return self.dropout3(self.ff(x))  # (B, T, d)
 
     def _ff_block_backward(self, grad_out: np.ndarray) -> np.ndarray:
-        return self.ff.backward(self._sub_backward(self.dropout3, grad_out))
-
-    def extra_repr(self) -> str:
-        return f"norm_first={self.norm_first}{self._options_repr()}"
+        return self.ff.backward(self.dropout3.backward(grad_out))
 
 
-class Encoder(Module):
+# -- chapter 16a's pitfall: the residual dropout after the LayerNorm -------------------------------------------------
+class DropoutAfterNormEncoderLayer(EncoderLayer):
+    """`EncoderLayer(..., dropout_place="after_norm")` (Post-LN only): x = dropout(norm(x + sublayer(x))), the
+    dropout on the residual stream itself instead of on the sublayer's output. The same submodules and weights."""
+
+    def forward(self, x: np.ndarray, src_mask: np.ndarray | None = None) -> np.ndarray:
+        self._cache = (x.shape, x.dtype)
+        x = self.dropout1(self.norm1(x + self.self_attn(x, x, x, src_mask)))
+        return self.dropout2(self.norm2(x + self.ff(x)))  # (B, S, d)
+
+    def backward(self, grad_out: np.ndarray) -> np.ndarray:
+        self._saved()
+        dx = self.norm2.backward(self.dropout2.backward(grad_out))  # through the dropout mask first
+        dx = dx + self.ff.backward(dx)
+        dx = self.norm1.backward(self.dropout1.backward(dx))
+        d_query, d_key, d_value = self.self_attn.backward(dx)
+        return dx + (d_query + d_key + d_value)  # (B, S, d)
+
+
+class DropoutAfterNormDecoderLayer(DecoderLayer):
+    """`DecoderLayer(..., dropout_place="after_norm")` (Post-LN only), as DropoutAfterNormEncoderLayer."""
+
+    def forward(self, x, memory, tgt_mask=None, memory_mask=None) -> np.ndarray:
+        self._cache = (x.shape, x.dtype)
+        x = self.dropout1(self.norm1(x + self.self_attn(x, x, x, tgt_mask)))
+        x = self.dropout2(self.norm2(x + self.cross_attn(x, memory, memory, memory_mask)))
+        return self.dropout3(self.norm3(x + self.ff(x)))  # (B, T, d)
+
+    def forward_step(self, x, memory, cache: dict, tgt_mask=None, memory_mask=None) -> np.ndarray:
+        self._cache = None  # inference only
+        sa, ca = cache.setdefault("self_attn", {}), cache.setdefault("cross_attn", {})
+        x = self.dropout1(self.norm1(x + self.self_attn.forward_step(x, x, x, sa, tgt_mask)))
+        x = self.dropout2(self.norm2(x + self.cross_attn.forward_step(x, memory, memory, ca, memory_mask, static=True)))
+        return self.dropout3(self.norm3(x + self.ff(x)))  # (B, Tn, d)
+
+    def backward(self, grad_out: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        self._saved()
+        dx = self.norm3.backward(self.dropout3.backward(grad_out))
+        dx = dx + self.ff.backward(dx)
+        dx = self.norm2.backward(self.dropout2.backward(dx))
+        d_query, d_key, d_value = self.cross_attn.backward(dx)
+        dx = self.norm1.backward(self.dropout1.backward(dx + d_query))
+        dq, dk, dv = self.self_attn.backward(dx)
+        return dx + (dq + dk + dv), d_key + d_value  # (B, T, d), (B, S, d)
+
+
+EncoderLayer._after_norm, DecoderLayer._after_norm = DropoutAfterNormEncoderLayer, DropoutAfterNormDecoderLayer
+
+
+class Encoder(StackDoor, Module):
     """A stack of `n_layers` EncoderLayers (`layers.0`, `layers.1`, ...), then `norm` (a LayerNorm) if final_norm.
 
     final_norm=None means "as norm_first": on for Pre-LN (whose residual stream is never normalized otherwise),
@@ -322,14 +322,16 @@ class Encoder(Module):
         **layer_options,
     ):
         super().__init__()
-        _check_positive("Encoder", n_layers=n_layers)
-        final_norm = _check_bool("Encoder", "final_norm", norm_first if final_norm is None else final_norm)
-        dt, g = check_dtype(dtype), as_rng(rng)
+        check_sizes("Encoder", n_layers=n_layers)
+        final_norm = check_flag("Encoder", "final_norm", norm_first if final_norm is None else final_norm)
+        dt, rng = check_dtype(dtype), as_rng(rng)
         self.layers = ModuleList(
-            EncoderLayer(d_model, n_heads, d_ff, dropout, activation, norm_first, rng=g, dtype=dt, **layer_options)
+            EncoderLayer(d_model, n_heads, d_ff, dropout, activation, norm_first, rng=rng, dtype=dt, **layer_options)
             for _ in range(n_layers)
         )
         self.norm = LayerNorm(d_model, dtype=dt) if final_norm else None
+
+    _cacheless_backwards = ("backward",)  # the layers keep the caches
 
     def forward(self, x: np.ndarray, src_mask: np.ndarray | None = None) -> np.ndarray:
         for layer in self.layers:
@@ -347,7 +349,7 @@ class Encoder(Module):
         return [layer.self_attn.attn_weights for layer in self.layers]
 
 
-class Decoder(Module):
+class Decoder(StackDoor, Module):
     """A stack of `n_layers` DecoderLayers, every one attending to the same `memory`, then an optional `norm`.
 
     forward(x, memory, tgt_mask, memory_mask) -> (B, T, d); backward(dy) -> (dx, dmemory), where dmemory sums
@@ -370,14 +372,16 @@ class Decoder(Module):
         **layer_options,
     ):
         super().__init__()
-        _check_positive("Decoder", n_layers=n_layers)
-        final_norm = _check_bool("Decoder", "final_norm", norm_first if final_norm is None else final_norm)
-        dt, g = check_dtype(dtype), as_rng(rng)
+        check_sizes("Decoder", n_layers=n_layers)
+        final_norm = check_flag("Decoder", "final_norm", norm_first if final_norm is None else final_norm)
+        dt, rng = check_dtype(dtype), as_rng(rng)
         self.layers = ModuleList(
-            DecoderLayer(d_model, n_heads, d_ff, dropout, activation, norm_first, rng=g, dtype=dt, **layer_options)
+            DecoderLayer(d_model, n_heads, d_ff, dropout, activation, norm_first, rng=rng, dtype=dt, **layer_options)
             for _ in range(n_layers)
         )
         self.norm = LayerNorm(d_model, dtype=dt) if final_norm else None
+
+    _cacheless_backwards = ("backward",)  # the layers keep the caches
 
     def forward(
         self,
@@ -399,8 +403,6 @@ class Decoder(Module):
         memory_mask: np.ndarray | None = None,
     ) -> np.ndarray:
         """`forward` for new target positions only, with one key/value cache per layer (see DecoderLayer)."""
-        if len(caches) != len(self.layers):
-            raise ValueError(f"Decoder.forward_step: expected {len(self.layers)} layer caches, got {len(caches)}")
         for layer, cache in zip(self.layers, caches, strict=True):
             x = layer.forward_step(x, memory, cache, tgt_mask, memory_mask)  # (B, Tn, d)
         return self.norm(x) if self.norm is not None else x

@@ -23,7 +23,7 @@ import math
 import numpy as np
 
 from .attention import MultiHeadAttention
-from .encoder_decoder import DecoderLayer
+from .encoder_decoder import DecoderLayer, DropoutAfterNormDecoderLayer
 from .kv_cache import append_position
 from .positional import sinusoidal_positional_encoding
 from .sublayers import PositionwiseFeedForward
@@ -40,7 +40,9 @@ def lean_fits(model, tgt: np.ndarray, src_mask: np.ndarray, cache: dict) -> bool
     attns = [a for layer in layers for a in (layer.self_attn, layer.cross_attn)]
     return (
         not any(m.training for _, m in model.named_modules())  # dropout off: the searches run in eval mode
-        and all(type(layer) is DecoderLayer and type(layer.ff) is PositionwiseFeedForward for layer in layers)
+        # the after-norm variant computes the same in eval mode (its dropout is the identity)
+        and all(type(layer) in (DecoderLayer, DropoutAfterNormDecoderLayer) for layer in layers)
+        and all(type(layer.ff) is PositionwiseFeedForward for layer in layers)
         and all(type(a) is MultiHeadAttention and a.attention == "explicit" for a in attns)
         and cache.get("preallocate", True)
         and "layers" not in cache  # a fresh cache

@@ -117,8 +117,8 @@ def erf(x: np.ndarray) -> np.ndarray:
 
 # -- the normal CDF and density in float32, fast -------------------------------------------------------------------
 # The exact GELU needs Phi(x) = erfc(-x / sqrt 2) / 2 and phi(x) on every hidden unit (B T d_ff numbers per layer).
-# `erf` above is accurate to float64 rounding but gathers a 12-term polynomial per element: 60-70 ms for 0.5 M
-# numbers on two cores, most of a GPT training step (benchmarks/bench.py, section 7). For float32 inputs float32
+# `erf` above is accurate to float64 rounding but gathers a 12-term polynomial per element, slow enough to dominate
+# a GPT training step (benchmarks/bench.py, section 7, measures it). For float32 inputs float32
 # accuracy is enough, and a form without a table does it: with z = |x| / sqrt 2 and t = 3 / (3 + z) in (0, 1],
 #     erfc(z) = exp(-z^2) g(t),   g(t) = erfc(z) exp(z^2) smooth on (0, 1] (g -> t / (3 sqrt pi) as z -> inf),
 # and g is a polynomial of degree 10 in t: Chebyshev interpolation of g at import, from math.erfc, on z in [0, 10]
@@ -190,7 +190,7 @@ def _cdf_pdf_block(x: np.ndarray, cdf: np.ndarray, pdf: np.ndarray) -> None:
     h *= np.float32(0.5)  # h = Phi(-|x|)
     # Phi(x) = h if x < 0 else 1 - h, written as arithmetic on s = [x < 0] in {0, 1}: (1 - s) + (2 s - 1) h is
     # 0 + h or 1 + (-h), the very float32 numbers of a select. A select (np.where, np.copyto(where=)) branches on
-    # each number's sign, random here, so the CPU mispredicts half of them: it took half of this block's time.
+    # each number's sign, random here, so the CPU mispredicts half of them.
     s = np.less(x, 0, out=z)  # (n,) float32 0 or 1 (z is no longer needed)
     np.subtract(np.float32(1), s, out=cdf)
     s *= np.float32(2)

@@ -49,13 +49,9 @@ def numeric_grad(f: Callable[[np.ndarray], float], x: np.ndarray, h: float = 1e-
     `x` (float64) is perturbed in place, one entry at a time, and restored; `f(x)` may ignore its
     argument and read `x` through a closure (a module's parameter, say).
     """
-    if not isinstance(x, np.ndarray) or x.dtype != np.float64:
-        got = x.dtype if isinstance(x, np.ndarray) else type(x).__name__
-        raise TypeError(f"numeric_grad: x expected a float64 array (float32 is too coarse for h={h}), got {got}")
+    _check_perturbable(x, h)
     grad = np.zeros_like(x)
     flat, gflat = x.reshape(-1), grad.reshape(-1)  # views: writing flat[i] writes x
-    if not np.shares_memory(flat, x):
-        raise ValueError("numeric_grad: x must be contiguous (it is perturbed in place through a flat view)")
     for i in range(flat.size):
         old = flat[i]
         flat[i] = old + h
@@ -65,6 +61,15 @@ def numeric_grad(f: Callable[[np.ndarray], float], x: np.ndarray, h: float = 1e-
         flat[i] = old
         gflat[i] = (f_plus - f_minus) / (2 * h)
     return grad
+
+
+def _check_perturbable(x, h: float) -> None:
+    """numeric_grad's x: float64 (float32 is too coarse for h), and written through by a flat view."""
+    if not isinstance(x, np.ndarray) or x.dtype != np.float64:
+        got = x.dtype if isinstance(x, np.ndarray) else type(x).__name__
+        raise TypeError(f"numeric_grad: x expected a float64 array (float32 is too coarse for h={h}), got {got}")
+    if not np.shares_memory(x.reshape(-1), x):
+        raise ValueError("numeric_grad: x must be contiguous (it is perturbed in place through a flat view)")
 
 
 def _is_float(a) -> bool:
@@ -104,9 +109,9 @@ def grad_check(
     loss()
     analytic_in = _input_grads(module.backward(w), len(xs), float_pos)
     errors = {}
-    for i, g in zip(float_pos, analytic_in, strict=True):
-        if g is not None:
-            errors[f"input{i}"] = rel_error(g, numeric_grad(loss, xs[i], h))
+    for i, grad in zip(float_pos, analytic_in, strict=True):
+        if grad is not None:
+            errors[f"input{i}"] = rel_error(grad, numeric_grad(loss, xs[i], h))
     skip = _decreed_zero_rows(module)
     for name, p in module.named_parameters():
         analytic, numeric = p.grad.copy(), numeric_grad(loss, p.data, h)

@@ -9,11 +9,11 @@ import math
 
 import numpy as np
 
-from tfm_common.validate import check_sizes
+from tfm_common.validate import check_padding_idx, check_probability, check_sizes
 from tfm_common.validate import normalized_shape as normalized_shape_of
 
 from .functional import erf, gelu_float32
-from .module import Module, Parameter, as_rng, check_dtype, check_grad, check_indices, check_input, check_probability
+from .module import Module, Parameter, as_rng, check_dtype, check_indices, check_input
 
 __all__ = ["Linear", "Embedding", "ReLU", "GELU", "Dropout", "LayerNorm"]
 
@@ -28,13 +28,15 @@ class Linear(Module):
         super().__init__()
         in_features, out_features = check_sizes("Linear", in_features=in_features, out_features=out_features).values()
         self.in_features, self.out_features = in_features, out_features
-        dt, g = check_dtype(dtype), as_rng(rng)
+        dt, rng = check_dtype(dtype), as_rng(rng)
         bound = 1.0 / np.sqrt(in_features)
-        self.weight = Parameter(g.uniform(-bound, bound, (out_features, in_features)).astype(dt))
-        self.bias = Parameter(g.uniform(-bound, bound, out_features).astype(dt)) if bias else None
+        self.weight = Parameter(rng.uniform(-bound, bound, (out_features, in_features)).astype(dt))
+        self.bias = Parameter(rng.uniform(-bound, bound, out_features).astype(dt)) if bias else None
+
+    def _check_forward(self, x) -> None:
+        check_input("Linear", x, last_dim=self.in_features, dtype=self.weight.dtype)
 
     def forward(self, x: np.ndarray) -> np.ndarray:
-        check_input("Linear", x, last_dim=self.in_features, dtype=self.weight.dtype)
         x2 = x.reshape(-1, self.in_features)  # (N, in): one 2-D matmul, whatever the leading dims
         y2 = x2 @ self.weight.data.T  # (N, out)
         if self.bias is not None:
@@ -44,12 +46,11 @@ class Linear(Module):
 
     def backward(self, grad_out: np.ndarray) -> np.ndarray:
         x2, x_shape = self._saved()
-        check_grad("Linear", grad_out, (*x_shape[:-1], self.out_features), x2.dtype)
-        g2 = grad_out.reshape(-1, self.out_features)  # (N, out)
-        self.weight.grad += g2.T @ x2  # (out, in)
+        grad2 = grad_out.reshape(-1, self.out_features)  # (N, out)
+        self.weight.grad += grad2.T @ x2  # (out, in)
         if self.bias is not None:
-            self.bias.grad += g2.sum(axis=0)  # (out,)
-        return (g2 @ self.weight.data).reshape(x_shape)  # (N, in) -> x's shape
+            self.bias.grad += grad2.sum(axis=0)  # (out,)
+        return (grad2 @ self.weight.data).reshape(x_shape)  # (N, in) -> x's shape
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -71,29 +72,29 @@ class Embedding(Module):
         sizes = check_sizes("Embedding", num_embeddings=num_embeddings, embedding_dim=embedding_dim)
         num_embeddings, embedding_dim = sizes.values()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.padding_idx = _check_padding_idx(padding_idx, num_embeddings)
-        dt, g = check_dtype(dtype), as_rng(rng)
-        w = g.standard_normal((num_embeddings, embedding_dim)).astype(dt)
+        self.padding_idx = check_padding_idx("Embedding", padding_idx, num_embeddings)
+        dt, rng = check_dtype(dtype), as_rng(rng)
+        w = rng.standard_normal((num_embeddings, embedding_dim)).astype(dt)
         if self.padding_idx is not None:
             w[self.padding_idx] = 0
         self.weight = Parameter(w)
 
-    def forward(self, ids: np.ndarray) -> np.ndarray:
+    def _check_forward(self, ids) -> None:
         check_indices("Embedding: ids", ids, self.num_embeddings)
+
+    def forward(self, ids: np.ndarray) -> np.ndarray:
         self._cache = ids
         return self.weight.data[ids]  # (*ids.shape, D): one row gathered per id
 
     def backward(self, grad_out: np.ndarray) -> None:
-        ids = self._saved()
-        check_grad("Embedding", grad_out, (*ids.shape, self.embedding_dim), self.weight.dtype)
-        flat_ids = ids.reshape(-1)  # (N,)
-        g2 = grad_out.reshape(-1, self.embedding_dim)  # (N, D)
+        flat_ids = self._saved().reshape(-1)  # (N,)
+        grad2 = grad_out.reshape(-1, self.embedding_dim)  # (N, D)
         if self.padding_idx is not None:
             keep = flat_ids != self.padding_idx
-            flat_ids, g2 = flat_ids[keep], g2[keep]
-        # dW[i] = sum of grad rows whose id is i. `W.grad[ids] += g2` would be wrong: with a
+            flat_ids, grad2 = flat_ids[keep], grad2[keep]
+        # dW[i] = sum of grad rows whose id is i. `W.grad[ids] += grad2` would be wrong: with a
         # repeated id, fancy-index assignment keeps only one of the rows. np.add.at accumulates all.
-        np.add.at(self.weight.grad, flat_ids, g2)
+        np.add.at(self.weight.grad, flat_ids, grad2)
         return None  # integer ids have no gradient
 
     def extra_repr(self) -> str:
@@ -101,34 +102,22 @@ class Embedding(Module):
         return s + (f", padding_idx={self.padding_idx}" if self.padding_idx is not None else "")
 
 
-def _check_padding_idx(padding_idx, num_embeddings: int) -> int | None:
-    """torch's rule: padding_idx in [-num_embeddings, num_embeddings), negative counts from the end."""
-    if padding_idx is None:
-        return None
-    if not isinstance(padding_idx, (int, np.integer)) or isinstance(padding_idx, bool):
-        raise TypeError(f"Embedding: padding_idx expected an int or None, got {type(padding_idx).__name__}")
-    if not -num_embeddings <= padding_idx < num_embeddings:
-        raise ValueError(f"Embedding: padding_idx must be in [-{num_embeddings}, {num_embeddings}), got {padding_idx}")
-    return int(padding_idx) % num_embeddings
-
-
 class ReLU(Module):
     """y = max(x, 0); dy/dx = 1 where x > 0, else 0 (0 at x = 0 exactly, as torch)."""
 
     _kept_inputs = ()  # backward needs only the mask it computes: no copy of x
 
-    def forward(self, x: np.ndarray) -> np.ndarray:
+    def _check_forward(self, x) -> None:
         check_input("ReLU", x)
-        mask = x > 0  # (N...) bool: where the gradient flows
-        self._cache = (mask, x.dtype)
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        self._cache = x > 0  # (N...) bool: where the gradient flows
         return np.maximum(x, 0)  # the Python 0 does not change x's dtype
 
     def backward(self, grad_out: np.ndarray) -> np.ndarray:
-        mask, dtype = self._saved()
-        check_grad("ReLU", grad_out, mask.shape, dtype)
-        # grad * mask (bool -> 0 or 1, grad's dtype): much faster than np.where(mask, grad, 0), whose branch on each
-        # element of a random-looking mask is mispredicted about half the time
-        return grad_out * mask
+        # grad * mask (bool -> 0 or 1, grad's dtype), not np.where(mask, grad, 0): a branch on each element of a
+        # random-looking mask is mispredicted about half the time
+        return grad_out * self._saved()
 
 
 class GELU(Module):
@@ -148,8 +137,10 @@ class GELU(Module):
             raise ValueError(f"GELU: approximate must be 'none' or 'tanh', got {approximate!r}")
         self.approximate = approximate
 
-    def forward(self, x: np.ndarray) -> np.ndarray:
+    def _check_forward(self, x) -> None:
         check_input("GELU", x)
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
         if self.approximate == "none" and x.dtype == np.float32:
             # the same two lines as below, a block of numbers at a time, with a fast float32 Phi (functional.py)
             y, dydx = gelu_float32(x)
@@ -168,7 +159,6 @@ class GELU(Module):
 
     def backward(self, grad_out: np.ndarray) -> np.ndarray:
         (dydx,) = self._saved()
-        check_grad("GELU", grad_out, dydx.shape, dydx.dtype)
         return grad_out * dydx
 
     def extra_repr(self) -> str:
@@ -192,23 +182,25 @@ class Dropout(Module):
         self.rng = as_rng(rng)
         self.mask: np.ndarray | None = None
 
-    def forward(self, x: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
+    def _check_forward(self, x, mask=None) -> None:
         check_input("Dropout", x)
+        ok = isinstance(mask, np.ndarray) and mask.dtype == np.bool_ and mask.shape == x.shape
+        if mask is not None and self.training and not ok:  # in eval mode the mask is not used
+            raise ValueError(f"Dropout: mask expected a bool array of shape {x.shape}, got {_describe(mask)}")
+
+    def forward(self, x: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
         if not self.training or (self.p == 0 and mask is None):
-            self._cache = (None, x.shape, x.dtype)
+            self._cache = (None,)  # the identity
             return x
         if mask is None:
             mask = self.rng.random(x.shape) >= self.p  # keep with probability 1 - p (float64 draw: dtype-free)
-        elif not (isinstance(mask, np.ndarray) and mask.dtype == np.bool_ and mask.shape == x.shape):
-            raise ValueError(f"Dropout: mask expected a bool array of shape {x.shape}, got {_describe(mask)}")
         self.mask = mask
         scale = mask * x.dtype.type(1 / (1 - self.p))  # (N...) in x's dtype: 0 or 1/(1-p)
-        self._cache = (scale, x.shape, x.dtype)
+        self._cache = (scale,)
         return x * scale
 
     def backward(self, grad_out: np.ndarray) -> np.ndarray:
-        scale, shape, dtype = self._saved()
-        check_grad("Dropout", grad_out, shape, dtype)
+        (scale,) = self._saved()
         return grad_out if scale is None else grad_out * scale  # the same mask and scale as forward
 
     def extra_repr(self) -> str:
@@ -246,12 +238,14 @@ class LayerNorm(Module):
         self.weight = Parameter(np.ones(self.normalized_shape, dtype=dt))
         self.bias = Parameter(np.zeros(self.normalized_shape, dtype=dt))
 
-    def forward(self, x: np.ndarray) -> np.ndarray:
+    def _check_forward(self, x) -> None:
         k = len(self.normalized_shape)
         check_input("LayerNorm", x, ndim_min=k, dtype=self.weight.dtype)
         if x.shape[-k:] != self.normalized_shape:
             raise ValueError(f"LayerNorm: expected trailing shape {self.normalized_shape}, got shape {x.shape}")
-        axes = tuple(range(-k, 0))
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        axes = tuple(range(-len(self.normalized_shape), 0))
         mu = x.mean(axis=axes, keepdims=True)  # (N..., 1...)
         xc = x - mu
         var = np.square(xc).mean(axis=axes, keepdims=True)  # biased variance
@@ -265,7 +259,6 @@ class LayerNorm(Module):
 
     def backward(self, grad_out: np.ndarray) -> np.ndarray:
         xhat, rstd, axes = self._saved()
-        check_grad("LayerNorm", grad_out, xhat.shape, xhat.dtype)
         lead = tuple(range(xhat.ndim - len(axes)))  # the batch dims, summed for the parameters
         self.weight.grad += (grad_out * xhat).sum(axis=lead)
         self.bias.grad += grad_out.sum(axis=lead)

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
+
+from tfm_common.validate import check_size
 
 from .functional import log_softmax
 from .module import Module, check_grad, check_indices, check_input, check_probability
@@ -32,24 +36,20 @@ class CrossEntropyLoss(Module):
 
     def __init__(self, ignore_index: int | None = None, label_smoothing: float = 0.0):
         super().__init__()
-        if ignore_index is not None and (
-            isinstance(ignore_index, bool) or not isinstance(ignore_index, (int, np.integer))
-        ):
-            raise TypeError(
-                f"CrossEntropyLoss: ignore_index expected an int or None, got {type(ignore_index).__name__}"
-            )
-        self.ignore_index = None if ignore_index is None else int(ignore_index)
+        self.ignore_index = check_size("CrossEntropyLoss", "ignore_index", ignore_index, -math.inf, allow_none=True)
         self.label_smoothing = check_probability("CrossEntropyLoss", "label_smoothing", label_smoothing, True)
 
-    def forward(self, logits: np.ndarray, targets: np.ndarray) -> np.floating:
+    def _check_forward(self, logits, targets) -> None:
         check_input("CrossEntropyLoss: logits", logits)
         if not isinstance(targets, np.ndarray) or targets.shape != logits.shape[:-1]:
             got = targets.shape if isinstance(targets, np.ndarray) else type(targets).__name__
             raise ValueError(
                 f"CrossEntropyLoss: targets expected shape {logits.shape[:-1]} (logits without V), got {got}"
             )
+        check_indices("CrossEntropyLoss: targets", targets, logits.shape[-1], ignore=self.ignore_index)
+
+    def forward(self, logits: np.ndarray, targets: np.ndarray) -> np.floating:
         V, eps, dt = logits.shape[-1], self.label_smoothing, logits.dtype
-        check_indices("CrossEntropyLoss: targets", targets, V, ignore=self.ignore_index)
         z = logits.reshape(-1, V)  # (N, V)
         t = targets.reshape(-1)  # (N,)
         valid = np.ones(t.shape, dtype=bool) if self.ignore_index is None else t != self.ignore_index  # (N,)
@@ -64,10 +64,6 @@ class CrossEntropyLoss(Module):
     def backward(self, grad_out=1.0) -> np.ndarray:
         """dL/dlogits, shaped like the logits; `grad_out` is dLoss_total/dloss (a scalar), 1 by default."""
         logp, t, valid, n_valid, shape = self._saved()
-        if np.ndim(grad_out) != 0:
-            raise ValueError(f"CrossEntropyLoss.backward: grad_out expected a scalar, got shape {np.shape(grad_out)}")
-        if isinstance(grad_out, np.ndarray):
-            check_grad("CrossEntropyLoss", grad_out, (), logp.dtype)
         eps, V, dt = self.label_smoothing, shape[-1], logp.dtype
         d = np.exp(logp)  # (N, V) softmax
         d[np.arange(t.size), t] -= 1 - eps  # - (1 - eps) onehot
@@ -75,6 +71,12 @@ class CrossEntropyLoss(Module):
             d -= eps / V  # - eps / V everywhere
         d *= (valid * dt.type(grad_out / n_valid))[:, None]  # 0 at ignored rows, 1/n_valid (times grad_out) at the rest
         return d.reshape(shape)
+
+    def _check_backward(self, grad_out=1.0) -> None:
+        if np.ndim(grad_out) != 0:
+            raise ValueError(f"CrossEntropyLoss.backward: grad_out expected a scalar, got shape {np.shape(grad_out)}")
+        if isinstance(grad_out, np.ndarray):
+            check_grad("CrossEntropyLoss", grad_out, (), self._cache[0].dtype)
 
     def extra_repr(self) -> str:
         return f"ignore_index={self.ignore_index}, label_smoothing={self.label_smoothing}"

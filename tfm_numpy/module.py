@@ -11,12 +11,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import numbers
 import threading
 from collections.abc import Iterator
 
 import numpy as np
 
+from tfm_common.validate import check_probability as check_probability  # re-exported: the layers' import
 from tfm_common.validate import check_seed
 
 FLOAT_DTYPES = (np.float32, np.float64)
@@ -141,7 +141,8 @@ def _backward_at_the_door(method):
     def wrapper(self, *args, **kwargs):
         used, depth = self.__dict__.get("_cache_used", False), _depth()
         try:
-            if depth == 0 and self._cache is not None and not (used and self._has_parameters()):
+            fresh = self._cache is not None and not (used and self._has_parameters())
+            if depth == 0 and (fresh or name in self._cacheless_backwards):
                 getattr(self, f"_check_{name}")(*args, **kwargs)
             _CALLS.depth = depth + 1
             return method(self, *args, **kwargs)
@@ -172,6 +173,9 @@ class Module:
     """
 
     _kept_inputs: tuple[str, ...] | None = None
+    # backwards of a module that keeps no cache of its own (a stack: its layers keep theirs): their door checks
+    # grad_out after any forward (the others only while the module's cache is fresh)
+    _cacheless_backwards: tuple[str, ...] = ()
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -402,13 +406,3 @@ def check_indices(name: str, x, high: int, ignore: int | None = None) -> np.ndar
         allowed = f"[0, {high})" + (f" or {ignore}" if ignore is not None else "")
         raise ValueError(f"{name}: values must be in {allowed}, got {x[bad].flat[0]} (and {int(bad.sum()) - 1} more)")
     return x
-
-
-def check_probability(name: str, arg: str, p, allow_one: bool) -> float:
-    """A probability in [0, 1) or [0, 1]; the message names the argument."""
-    if isinstance(p, bool) or not isinstance(p, numbers.Real):
-        raise TypeError(f"{name}: {arg} expected a float, got {type(p).__name__}")
-    ok = 0 <= p <= 1 if allow_one else 0 <= p < 1
-    if not ok:
-        raise ValueError(f"{name}: {arg} must be in [0, {'1]' if allow_one else '1)'}, got {p}")
-    return float(p)

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from tfm_common.validate import check_sizes
+from tfm_common.validate import check_positions, check_sizes
 
 from .layers import Dropout
-from .module import Module, Parameter, as_rng, check_dtype, check_grad, check_input
+from .module import Module, Parameter, as_rng, check_dtype, check_input
 
 __all__ = ["sinusoidal_positional_encoding", "PositionalEncoding", "LearnedPositionalEmbedding"]
 
@@ -37,14 +37,6 @@ def sinusoidal_positional_encoding(max_len: int, d_model: int, dtype=np.float32)
     return pe.astype(check_dtype(dtype))
 
 
-def _check_length(name: str, T: int, offset: int, max_len: int) -> None:
-    if offset < 0:
-        raise ValueError(f"{name}: offset must be >= 0, got {offset}")
-    if offset + T > max_len:
-        start = f" starting at position {offset}" if offset else ""
-        raise ValueError(f"{name}: sequence length {T}{start} exceeds max_len {max_len}")
-
-
 class PositionalEncoding(Module):
     """x + PE[offset : offset + T], then dropout. No parameters: the table is a fixed buffer (no state_dict key).
 
@@ -59,17 +51,18 @@ class PositionalEncoding(Module):
         self.pe = sinusoidal_positional_encoding(max_len, d_model, dtype=self.dtype)  # (max_len, d_model)
         self.dropout = Dropout(dropout, rng=as_rng(rng))
 
+    def _check_forward(self, x, offset: int = 0) -> None:
+        check_input("PositionalEncoding", x, ndim_min=2, last_dim=self.d_model, dtype=self.dtype)
+        check_positions("PositionalEncoding", x.shape[-2], offset, self.max_len)
+
     def forward(self, x: np.ndarray, offset: int = 0) -> np.ndarray:
         if self.pe.dtype != self.dtype:  # astype() changed the module's dtype: rebuild the table exactly
             self.pe = sinusoidal_positional_encoding(self.max_len, self.d_model, dtype=self.dtype)
-        check_input("PositionalEncoding", x, ndim_min=2, last_dim=self.d_model, dtype=self.dtype)
-        T = x.shape[-2]
-        _check_length("PositionalEncoding", T, offset, self.max_len)
-        self._cache = x.shape  # the sum's gradient is the identity: only the shape, to check grad_out
-        return self.dropout(x + self.pe[offset : offset + T])  # (..., T, d) + (T, d)
+        self._cache = x.shape  # the sum's gradient is the identity: nothing to keep but the fact of a forward
+        return self.dropout(x + self.pe[offset : offset + x.shape[-2]])  # (..., T, d) + (T, d)
 
     def backward(self, grad_out: np.ndarray) -> np.ndarray:
-        check_grad("PositionalEncoding", grad_out, self._saved(), self.dtype)
+        self._saved()  # after a forward
         return self.dropout.backward(grad_out)
 
     def extra_repr(self) -> str:
@@ -88,20 +81,20 @@ class LearnedPositionalEmbedding(Module):
         super().__init__()
         max_len, d_model = check_sizes("LearnedPositionalEmbedding", max_len=max_len, d_model=d_model).values()
         self.max_len, self.d_model = max_len, d_model
-        dt, g = check_dtype(dtype), as_rng(rng)
-        self.weight = Parameter(g.standard_normal((max_len, d_model)).astype(dt))
+        dt, rng = check_dtype(dtype), as_rng(rng)
+        self.weight = Parameter(rng.standard_normal((max_len, d_model)).astype(dt))
+
+    def _check_forward(self, x, offset: int = 0) -> None:
+        check_input("LearnedPositionalEmbedding", x, ndim_min=2, last_dim=self.d_model, dtype=self.weight.dtype)
+        check_positions("LearnedPositionalEmbedding", x.shape[-2], offset, self.max_len)
 
     def forward(self, x: np.ndarray, offset: int = 0) -> np.ndarray:
-        check_input("LearnedPositionalEmbedding", x, ndim_min=2, last_dim=self.d_model, dtype=self.weight.dtype)
         T = x.shape[-2]
-        _check_length("LearnedPositionalEmbedding", T, offset, self.max_len)
-        self._cache = (x.shape, offset)
+        self._cache = (T, offset)
         return x + self.weight.data[offset : offset + T]  # (..., T, d) + (T, d)
 
     def backward(self, grad_out: np.ndarray) -> np.ndarray:
-        shape, offset = self._saved()
-        check_grad("LearnedPositionalEmbedding", grad_out, shape, self.weight.dtype)
-        T = shape[-2]
+        T, offset = self._saved()
         # every sequence in the batch used the same rows: sum over all leading dims
         self.weight.grad[offset : offset + T] += grad_out.reshape(-1, T, self.d_model).sum(axis=0)
         return grad_out

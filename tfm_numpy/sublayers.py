@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tfm_common.validate import check_flag, check_sizes
+from tfm_common.validate import check_sizes
 
 from .layers import GELU, Dropout, Linear, ReLU
 from .module import Module, as_rng, check_dtype
@@ -30,8 +30,8 @@ class PositionwiseFeedForward(Module):
 
         FFN(x) = max(0, x W1 + b1) W2 + b2,   W1: d_model -> d_ff,  W2: d_ff -> d_model  (d_ff = 4 d_model there)
 
-    The dropout sits on the hidden activations, as in torch.nn.TransformerEncoderLayer (hidden_dropout=False
-    leaves it out, as some popular code does: see chapter 16a); the dropout on the
+    The dropout sits on the hidden activations, as in torch.nn.TransformerEncoderLayer (the layers' ff_dropout=False
+    gives it p = 0, as some popular code does: see chapter 16a); the dropout on the
     sublayer's output belongs to the residual connection, so it lives in the encoder/decoder layer.
     Submodule names as torch's layers: `linear1`, `linear2` (state_dict keys `linear1.weight`, ...).
     """
@@ -43,20 +43,20 @@ class PositionwiseFeedForward(Module):
         dropout: float = 0.1,
         activation: str = "relu",
         *,
-        hidden_dropout: bool = True,
         rng=None,
         dtype=np.float32,
     ):
         super().__init__()
         d_model, d_ff = check_sizes("PositionwiseFeedForward", d_model=d_model, d_ff=d_ff).values()
-        dt, g = check_dtype(dtype), as_rng(rng)
+        dt, rng = check_dtype(dtype), as_rng(rng)
         self.d_model, self.d_ff, self.activation_name = d_model, d_ff, activation
-        self.linear1 = Linear(d_model, d_ff, rng=g, dtype=dt)  # (d_ff, d_model)
+        self.linear1 = Linear(d_model, d_ff, rng=rng, dtype=dt)  # (d_ff, d_model)
         self.activation = ReLU() if check_activation("PositionwiseFeedForward", activation) == "relu" else GELU()
-        # hidden_dropout=False (a pitfall of chapter 16a): no dropout on the d_ff hidden units, dropout=0 here
-        self.hidden_dropout = check_flag("PositionwiseFeedForward", "hidden_dropout", hidden_dropout)
-        self.dropout = Dropout(dropout if hidden_dropout else 0.0, rng=g)
-        self.linear2 = Linear(d_ff, d_model, rng=g, dtype=dt)  # (d_model, d_ff)
+        self.dropout = Dropout(dropout, rng=rng)  # on the d_ff hidden units
+        self.linear2 = Linear(d_ff, d_model, rng=rng, dtype=dt)  # (d_model, d_ff)
+
+    def _check_forward(self, x) -> None:
+        self.linear1._check_forward(x)  # what linear1 checks of a caller's x
 
     def forward(self, x: np.ndarray) -> np.ndarray:
         h = self.activation(self.linear1(x))  # (B, T, d_ff)

@@ -15,8 +15,9 @@ import math
 import numpy as np
 
 from tfm_common.config import check_transformer_config
+from tfm_common.doors import TransformerDoor
 from tfm_common.pitfalls import LAYER_PITFALLS, MODEL_PITFALLS, check_model_pitfalls
-from tfm_common.validate import check_decode_cache
+from tfm_common.validate import check_size
 
 from .attention import check_attention, use_attention
 from .encoder_decoder import Decoder, Encoder
@@ -49,7 +50,7 @@ def xavier_uniform_(p: Parameter, rng=None) -> Parameter:
     return p
 
 
-class Transformer(Module):
+class Transformer(TransformerDoor, Module):
     """The encoder-decoder Transformer. `model(src, tgt_in)` -> logits (B, T, tgt_vocab_size).
 
     Options (the variants met in the wild):
@@ -62,7 +63,7 @@ class Transformer(Module):
                         "we share the same weight matrix between the two embedding layers and the pre-softmax
                         linear transformation", after Press and Wolf, 2017).
       attention         "explicit" (the weights formed, inspectable) or "flash" (tiled, `flash_attention`, in
-                        blocks of `block_size`): the same model to rounding; see `MultiHeadAttention`. Not part of
+                        tiles of `tile_size`): the same model to rounding; see `MultiHeadAttention`. Not part of
                         the configuration (no weight depends on it); `use_attention(model, ...)` switches it later.
     Options that reproduce choices of popular code, measured in chapter 16a (keyword-only; the defaults are the
     paper's, change nothing, and are left out of `config`; see tfm_common.pitfalls):
@@ -112,7 +113,7 @@ class Transformer(Module):
         final_norm: bool | None = None,
         *,
         attention: str = "explicit",
-        block_size: int = 64,
+        tile_size: int = 64,
         score_scale: str = "d_k",
         head_projection: str = "full",
         dropout_place: str = "sublayer",
@@ -158,78 +159,59 @@ class Transformer(Module):
         d_model, n_heads, d_ff, n_layers, max_len, pad_id = (c[k] for k in ("d_model", "n_heads", "d_ff", "n_layers",
                                                                             "max_len", "pad_id"))  # fmt: skip
         src_vocab_size, tgt_vocab_size = c["src_vocab_size"], c["tgt_vocab_size"]
-        attention, block_size = check_attention("Transformer", attention, block_size)
+        attention, tile_size = check_attention(
+            "Transformer", attention, check_size("Transformer", "tile_size", tile_size)
+        )
         self.d_model, self.max_len, self.pad_id = d_model, max_len, pad_id
         self.src_vocab_size, self.tgt_vocab_size = src_vocab_size, tgt_vocab_size
-        dt, g = check_dtype(dtype), as_rng(rng)
+        dt, rng = check_dtype(dtype), as_rng(rng)
         stack = (n_layers, d_model, n_heads, d_ff, dropout, activation, norm_first, final_norm)
 
-        self.src_embed = Embedding(src_vocab_size, d_model, padding_idx=pad_id, rng=g, dtype=dt)
-        self.tgt_embed = Embedding(tgt_vocab_size, d_model, padding_idx=pad_id, rng=g, dtype=dt)
+        self.src_embed = Embedding(src_vocab_size, d_model, padding_idx=pad_id, rng=rng, dtype=dt)
+        self.tgt_embed = Embedding(tgt_vocab_size, d_model, padding_idx=pad_id, rng=rng, dtype=dt)
         for emb in (self.src_embed, self.tgt_embed):
             if embed_scale != "none":  # "none" keeps N(0, 1), torch.nn.Embedding's default
                 emb.weight.data *= dt.type(d_model**-0.5)  # N(0, 1) -> N(0, 1/d_model); the padding row stays 0
         if share_embeddings:
             self.tgt_embed.weight = self.src_embed.weight  # one Parameter, two lookups
-        self.src_pos = self._make_positional(positional, g, dt)
-        self.tgt_pos = self._make_positional(positional, g, dt)
-        self.src_dropout = Dropout(dropout, rng=g)
-        self.tgt_dropout = Dropout(dropout, rng=g)
+        self.src_pos = self._make_positional(positional, rng, dt)
+        self.tgt_pos = self._make_positional(positional, rng, dt)
+        self.src_dropout = Dropout(dropout, rng=rng)
+        self.tgt_dropout = Dropout(dropout, rng=rng)
         self.src_embed_norm = LayerNorm(d_model, dtype=dt) if opts["embed_norm"] else None  # after the dropout
         self.tgt_embed_norm = LayerNorm(d_model, dtype=dt) if opts["embed_norm"] else None
-        self.encoder = Encoder(*stack, rng=g, dtype=dt, **layer_opts)
-        self.decoder = Decoder(*stack, rng=g, dtype=dt, **layer_opts)
-        self.output_projection = Linear(d_model, tgt_vocab_size, bias=False, rng=g, dtype=dt)  # (V, d)
+        self.encoder = Encoder(*stack, rng=rng, dtype=dt, **layer_opts)
+        self.decoder = Decoder(*stack, rng=rng, dtype=dt, **layer_opts)
+        self.output_projection = Linear(d_model, tgt_vocab_size, bias=False, rng=rng, dtype=dt)  # (V, d)
         if tie_output:
             self.output_projection.weight = self.tgt_embed.weight  # (V, d) both: logits = y @ E^T
         else:
-            xavier_uniform_(self.output_projection.weight, g)
+            xavier_uniform_(self.output_projection.weight, rng)
         for _, p in [*self.encoder.named_parameters(), *self.decoder.named_parameters()]:
             if p.data.ndim == 2:
-                xavier_uniform_(p, g)
-        use_attention(self, attention, block_size)  # how every attention computes its heads (not a weight)
+                xavier_uniform_(p, rng)
+        use_attention(self, attention, tile_size)  # how every attention computes its heads (not a weight)
 
-    def _make_positional(self, positional: str, g, dt) -> Module:
+    def _make_positional(self, positional: str, rng, dt) -> Module:
         if positional == "sinusoidal":  # no parameters; its own dropout unused (p=0): ours follows the sum
             return PositionalEncoding(self.d_model, self.max_len, dropout=0.0, dtype=dt)
-        return LearnedPositionalEmbedding(self.max_len, self.d_model, rng=g, dtype=dt)
+        return LearnedPositionalEmbedding(self.max_len, self.d_model, rng=rng, dtype=dt)
 
     # -- the two halves ---------------------------------------------------------------------------------------
     def encode(self, src: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """src (B, S) ids -> (memory (B, S, d), src_mask (B, 1, 1, S), True at real tokens)."""
-        self._check_tokens("src", src, self.src_vocab_size)
         src_mask = padding_mask(src, self.pad_id)  # (B, 1, 1, S)
         x = self._embed(src, self.src_embed, self.src_pos, self.src_dropout, self.src_embed_norm)  # (B, S, d)
         return self.encoder(x, src_mask), src_mask
 
     def decode(self, tgt_in: np.ndarray, memory: np.ndarray, src_mask: np.ndarray) -> np.ndarray:
         """tgt_in (B, T) ids, memory (B, S, d), src_mask (B, 1, 1, S) -> logits (B, T, tgt_vocab_size)."""
-        self._check_tokens("tgt_in", tgt_in, self.tgt_vocab_size)
-        check_input(
-            "Transformer.decode: memory", memory, ndim_min=3, last_dim=self.d_model, dtype=self.src_embed.weight.dtype
-        )
-        if memory.ndim != 3 or memory.shape[0] != tgt_in.shape[0]:
-            raise ValueError(
-                f"Transformer.decode: memory expected shape (B={tgt_in.shape[0]}, S, {self.d_model}), "
-                f"got {memory.shape}"
-            )
         tgt_mask = self._tgt_mask(tgt_in)  # (B, 1, T, T): causal and not padding
         y = self._embed(tgt_in, self.tgt_embed, self.tgt_pos, self.tgt_dropout, self.tgt_embed_norm)  # (B, T, d)
         y = self.decoder(y, memory, tgt_mask, src_mask)  # (B, T, d)
         logits = self._logits(y)  # (B, T, V)
-        self._cache = (logits.shape, logits.dtype)
+        self._cache = (logits.shape, logits.dtype)  # decode_backward may follow, once
         return logits
-
-    def _check_step_inputs(self, memory, src_mask, B: int, Tn: int) -> None:
-        """decode_step's memory (B, S, d_model) and src_mask, checked before anything is appended to the cache:
-        a refused step leaves the cache as it was, and the same search can go on."""
-        check_input("Transformer.decode_step: memory", memory, dtype=self.tgt_embed.weight.dtype)
-        if memory.ndim != 3 or memory.shape[0] != B or memory.shape[2] != self.d_model:
-            raise ValueError(f"Transformer.decode_step: memory expected shape (B={B}, S, {self.d_model}), "
-                             f"got {memory.shape}")  # fmt: skip
-        if src_mask is not None:
-            heads = self.decoder.layers[0].cross_attn.n_heads if len(self.decoder.layers) else 1
-            check_mask(src_mask, (B, heads, Tn, memory.shape[1]))
 
     def decode_step(self, tgt_new: np.ndarray, memory: np.ndarray, src_mask: np.ndarray, cache: dict) -> np.ndarray:
         """Incremental decoding (inference only): the logits of the new target tokens `tgt_new` (B, Tn), usually
@@ -245,12 +227,7 @@ class Transformer(Module):
                               step (views of the buffers "k_buf", "v_buf", see `cache_append`); cross_attn
                               {"k", "v"} (B, H, S, dk), the memory's, computed at the first step
         """
-        self._check_tokens("tgt_new", tgt_new, self.tgt_vocab_size)
-        check_decode_cache(cache, tgt_new.shape[0])
         t0, Tn = cache.get("length", 0), tgt_new.shape[1]
-        if t0 + Tn > self.max_len:
-            raise ValueError(f"Transformer.decode_step: positions up to {t0 + Tn - 1} exceed max_len={self.max_len}")
-        self._check_step_inputs(memory, src_mask, tgt_new.shape[0], Tn)  # before the cache changes at all
         cap = min(cache.setdefault("capacity", self.max_len), self.max_len)  # positions to make room for, once
         keep = cache_append(cache, "keep", padding_mask(tgt_new, self.pad_id), axis=3)  # (B, 1, 1, T), in place
         causal = np.tri(Tn, t0 + Tn, t0, dtype=bool)  # (Tn, T): new i sees 0 .. t0 + i
@@ -270,7 +247,7 @@ class Transformer(Module):
     # -- backward: the same path in reverse ---------------------------------------------------------------------
     def decode_backward(self, grad_logits: np.ndarray) -> np.ndarray:
         """Backward of the last `decode`: fills the decoder side's gradients, returns dL/dmemory (B, S, d)."""
-        check_grad("Transformer", grad_logits, *self._saved())
+        self._saved()
         if self._out_scale is not None:
             grad_logits = grad_logits * grad_logits.dtype.type(self._out_scale)
         dy = self.output_projection.backward(grad_logits)  # (B, T, d); adds into the tied weight's grad
@@ -309,14 +286,17 @@ class Transformer(Module):
         """Causal and not padding (B, 1, T, T); causal only (1, 1, T, T) with tgt_padding_mask=False."""
         return decoder_mask(tgt_in, self.pad_id) if self.tgt_padding_mask else causal_mask(tgt_in.shape[1])
 
-    # -- checks and inspection ----------------------------------------------------------------------------------
-    def _check_tokens(self, arg: str, tokens, vocab_size: int) -> None:
-        check_indices(f"Transformer: {arg}", tokens, vocab_size)
-        if tokens.ndim != 2 or tokens.shape[1] < 1:
-            raise ValueError(f"Transformer: {arg} expected shape (B, T) with T >= 1, got {tokens.shape}")
-        if tokens.shape[1] > self.max_len:
-            raise ValueError(f"Transformer: {arg} has length {tokens.shape[1]}, more than max_len={self.max_len}")
+    # -- the door: a caller's arguments, checked before anything changes (the rules: tfm_common.doors) ---------
+    _check_ids, _check_float = staticmethod(check_indices), staticmethod(check_input)  # see tfm_common.doors
+    _check_mask = staticmethod(check_mask)
+    _cacheless_backwards = ("encode_backward",)  # its grad_out is checked against the encoder's last output
 
+    def _check_encode_backward(self, grad_memory=None, *args, **kwargs) -> None:
+        spec = self.encoder.__dict__.get("_outputs", {}).get("forward")
+        if spec is not None:
+            check_grad("Transformer", grad_memory, *spec, method="encode_backward")
+
+    # -- inspection -------------------------------------------------------------------------------------------
     def attention_weights(self) -> dict[str, list[np.ndarray]]:
         """The last forward's attention weights, one (B, H, Tq, Tk) array per layer:
         {"encoder": self-attention (S, S), "decoder": masked self-attention (T, T), "cross": (T, S)}."""

@@ -3,6 +3,8 @@ tfm_numpy.encoder_decoder; autograd does the backward.
 
     norm_first=False (Post-LN, the paper):  x = norm(x + dropout(sublayer(x)))
     norm_first=True  (Pre-LN):              x = x + dropout(sublayer(norm(x)))
+
+dropout_place="after_norm" (chapter 16a) builds `DropoutAfterNormEncoderLayer` (`...DecoderLayer`), as tfm_numpy's.
 """
 
 from __future__ import annotations
@@ -10,56 +12,24 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tfm_common.doors import DecoderLayerDoor, EncoderLayerDoor, StackDoor
 from tfm_common.pitfalls import DROPOUT_PLACES
-from tfm_common.validate import check_choice, check_flag, check_sizes
+from tfm_common.validate import check_flag, check_sizes
 
+from .attention import _check_mask as check_mask
 from .attention import make_attention
 from .layers import Dropout, LayerNorm
 from .module import Module, as_generator, check_dtype, check_input
 from .sublayers import PositionwiseFeedForward, check_activation
 
-__all__ = ["DROPOUT_PLACES", "EncoderLayer", "DecoderLayer", "Encoder", "Decoder"]
+__all__ = ["DROPOUT_PLACES", "EncoderLayer", "DecoderLayer", "DropoutAfterNormEncoderLayer",
+           "DropoutAfterNormDecoderLayer", "Encoder", "Decoder"]  # fmt: skip
 
 
-def _check_bool(owner: str, arg: str, value) -> bool:
-    return check_flag(owner, arg, value)
-
-
-def _check_positive(owner: str, **sizes) -> dict[str, int]:
-    return check_sizes(owner, **sizes)
-
-
-def _check_x(name: str, x, norm: LayerNorm) -> None:
-    """A (B, T, d_model) float tensor of the parameters' dtype (read off a LayerNorm of the layer)."""
-    check_input(name, x, ndim_min=3, last_dim=norm.normalized_shape[0], dtype=norm.weight.dtype)
-    if x.dim() != 3:
-        raise ValueError(f"{name}: expected shape (B, T, d_model), got {tuple(x.shape)}")
-
-
-def _check_options(owner: str, norm_first: bool, dropout_place, ff_dropout) -> tuple[str, bool]:
-    """The layer's pitfall options (as tfm_numpy's): residual dropout place, FFN hidden dropout."""
-    dropout_place = check_choice(owner, "dropout_place", dropout_place, DROPOUT_PLACES)
-    if norm_first and dropout_place == "after_norm":
-        raise ValueError(f"{owner}: dropout_place='after_norm' needs Post-LN (norm_first=False), got norm_first=True")
-    return dropout_place, check_flag(owner, "ff_dropout", ff_dropout)
-
-
-class _Residual(Module):
-    """Where a layer's residual dropout goes: on the sublayer's output (`_sub`) or after the LayerNorm (`_post`)."""
-
-    def _sub(self, drop: Dropout, y: torch.Tensor) -> torch.Tensor:
-        return drop(y) if self.dropout_place == "sublayer" else y
-
-    def _post(self, drop: Dropout, y: torch.Tensor) -> torch.Tensor:
-        return drop(y) if self.dropout_place == "after_norm" else y
-
-    def _options_repr(self) -> str:
-        opts = {"dropout_place": (self.dropout_place, "sublayer"), "ff_dropout": (self.ff_dropout, True)}
-        return "".join(f", {k}={v!r}" for k, (v, default) in opts.items() if v != default)
-
-
-class EncoderLayer(_Residual):
+class EncoderLayer(EncoderLayerDoor, Module):
     """Self-attention, then feed-forward, each in a residual connection with a LayerNorm (twin of tfm_numpy's)."""
+
+    _check_float, _check_mask = staticmethod(check_input), staticmethod(check_mask)  # the door's checks
 
     def __init__(
         self,
@@ -78,43 +48,40 @@ class EncoderLayer(_Residual):
         dtype=None,
     ):
         super().__init__()
-        _check_positive("EncoderLayer", d_model=d_model, n_heads=n_heads, d_ff=d_ff)
+        check_sizes("EncoderLayer", d_model=d_model, n_heads=n_heads, d_ff=d_ff)
         check_activation("EncoderLayer", activation)
-        self.norm_first = _check_bool("EncoderLayer", "norm_first", norm_first)
-        self.dropout_place, self.ff_dropout = _check_options("EncoderLayer", norm_first, dropout_place, ff_dropout)
-        dt, g = check_dtype(dtype), as_generator(rng)
-        attn = dict(score_scale=score_scale, rng=g, dtype=dt)
+        self._options("EncoderLayer", norm_first, dropout_place, ff_dropout)
+        dt, gen = check_dtype(dtype), as_generator(rng)
+        attn = dict(score_scale=score_scale, rng=gen, dtype=dt)
         self.self_attn = make_attention(head_projection, d_model, n_heads, dropout, **attn)
-        ff = dict(hidden_dropout=ff_dropout, rng=g, dtype=dt)
-        self.ff = PositionwiseFeedForward(d_model, d_ff, dropout, activation, **ff)
+        ff_p = dropout if self.ff_dropout else 0.0  # ff_dropout=False (chapter 16a): none on the hidden units
+        self.ff = PositionwiseFeedForward(d_model, d_ff, ff_p, activation, rng=gen, dtype=dt)
         self.norm1 = LayerNorm(d_model, dtype=dt)
         self.norm2 = LayerNorm(d_model, dtype=dt)
-        self.dropout1 = Dropout(dropout, rng=g)
-        self.dropout2 = Dropout(dropout, rng=g)
+        self.dropout1 = Dropout(dropout, rng=gen)
+        self.dropout2 = Dropout(dropout, rng=gen)
 
     def forward(self, x: torch.Tensor, src_mask: torch.Tensor | None = None) -> torch.Tensor:
-        _check_x("EncoderLayer: x", x, self.norm1)
         if self.norm_first:
             x = x + self._sa_block(self.norm1(x), src_mask)
             x = x + self._ff_block(self.norm2(x))
         else:
-            x = self._post(self.dropout1, self.norm1(x + self._sa_block(x, src_mask)))
-            x = self._post(self.dropout2, self.norm2(x + self._ff_block(x)))
+            x = self.norm1(x + self._sa_block(x, src_mask))
+            x = self.norm2(x + self._ff_block(x))
         return x  # (B, S, d)
 
     def _sa_block(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        return self._sub(self.dropout1, self.self_attn(x, x, x, mask))
+        return self.dropout1(self.self_attn(x, x, x, mask))
 
     def _ff_block(self, x: torch.Tensor) -> torch.Tensor:
-        return self._sub(self.dropout2, self.ff(x))
-
-    def extra_repr(self) -> str:
-        return f"norm_first={self.norm_first}{self._options_repr()}"
+        return self.dropout2(self.ff(x))
 
 
-class DecoderLayer(_Residual):
+class DecoderLayer(DecoderLayerDoor, Module):
     """Masked self-attention, cross-attention to `memory`, feed-forward; each in a residual connection with a
     LayerNorm (twin of tfm_numpy's)."""
+
+    _check_float, _check_mask = staticmethod(check_input), staticmethod(check_mask)  # the door's checks
 
     def __init__(
         self,
@@ -133,22 +100,21 @@ class DecoderLayer(_Residual):
         dtype=None,
     ):
         super().__init__()
-        _check_positive("DecoderLayer", d_model=d_model, n_heads=n_heads, d_ff=d_ff)
+        check_sizes("DecoderLayer", d_model=d_model, n_heads=n_heads, d_ff=d_ff)
         check_activation("DecoderLayer", activation)
-        self.norm_first = _check_bool("DecoderLayer", "norm_first", norm_first)
-        self.dropout_place, self.ff_dropout = _check_options("DecoderLayer", norm_first, dropout_place, ff_dropout)
-        dt, g = check_dtype(dtype), as_generator(rng)
-        attn = dict(score_scale=score_scale, rng=g, dtype=dt)
+        self._options("DecoderLayer", norm_first, dropout_place, ff_dropout)
+        dt, gen = check_dtype(dtype), as_generator(rng)
+        attn = dict(score_scale=score_scale, rng=gen, dtype=dt)
         self.self_attn = make_attention(head_projection, d_model, n_heads, dropout, **attn)
         self.cross_attn = make_attention(head_projection, d_model, n_heads, dropout, **attn)
-        ff = dict(hidden_dropout=ff_dropout, rng=g, dtype=dt)
-        self.ff = PositionwiseFeedForward(d_model, d_ff, dropout, activation, **ff)
+        ff_p = dropout if self.ff_dropout else 0.0  # ff_dropout=False (chapter 16a): none on the hidden units
+        self.ff = PositionwiseFeedForward(d_model, d_ff, ff_p, activation, rng=gen, dtype=dt)
         self.norm1 = LayerNorm(d_model, dtype=dt)
         self.norm2 = LayerNorm(d_model, dtype=dt)
         self.norm3 = LayerNorm(d_model, dtype=dt)
-        self.dropout1 = Dropout(dropout, rng=g)
-        self.dropout2 = Dropout(dropout, rng=g)
-        self.dropout3 = Dropout(dropout, rng=g)
+        self.dropout1 = Dropout(dropout, rng=gen)
+        self.dropout2 = Dropout(dropout, rng=gen)
+        self.dropout3 = Dropout(dropout, rng=gen)
 
     def forward(
         self,
@@ -157,16 +123,14 @@ class DecoderLayer(_Residual):
         tgt_mask: torch.Tensor | None = None,
         memory_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        _check_x("DecoderLayer: x", x, self.norm1)
-        _check_x("DecoderLayer: memory", memory, self.norm1)
         if self.norm_first:
             x = x + self._sa_block(self.norm1(x), tgt_mask)
             x = x + self._mha_block(self.norm2(x), memory, memory_mask)
             x = x + self._ff_block(self.norm3(x))
         else:
-            x = self._post(self.dropout1, self.norm1(x + self._sa_block(x, tgt_mask)))
-            x = self._post(self.dropout2, self.norm2(x + self._mha_block(x, memory, memory_mask)))
-            x = self._post(self.dropout3, self.norm3(x + self._ff_block(x)))
+            x = self.norm1(x + self._sa_block(x, tgt_mask))
+            x = self.norm2(x + self._mha_block(x, memory, memory_mask))
+            x = self.norm3(x + self._ff_block(x))
         return x  # (B, T, d)
 
     def forward_step(
@@ -179,39 +143,61 @@ class DecoderLayer(_Residual):
     ) -> torch.Tensor:
         """`forward` for the new target positions x (B, Tn, d) only, the earlier ones' keys and values read from
         `cache` (as tfm_numpy's; inference only)."""
-        _check_x("DecoderLayer: x", x, self.norm1)
-        _check_x("DecoderLayer: memory", memory, self.norm1)
         sa, ca = cache.setdefault("self_attn", {}), cache.setdefault("cross_attn", {})
         if self.norm_first:
             x = x + self._sa_block_step(self.norm1(x), tgt_mask, sa)
             x = x + self._mha_block_step(self.norm2(x), memory, memory_mask, ca)
             x = x + self._ff_block(self.norm3(x))
         else:
-            x = self._post(self.dropout1, self.norm1(x + self._sa_block_step(x, tgt_mask, sa)))
-            x = self._post(self.dropout2, self.norm2(x + self._mha_block_step(x, memory, memory_mask, ca)))
-            x = self._post(self.dropout3, self.norm3(x + self._ff_block(x)))
+            x = self.norm1(x + self._sa_block_step(x, tgt_mask, sa))
+            x = self.norm2(x + self._mha_block_step(x, memory, memory_mask, ca))
+            x = self.norm3(x + self._ff_block(x))
         return x  # (B, Tn, d)
 
     def _sa_block_step(self, x: torch.Tensor, mask: torch.Tensor | None, cache: dict) -> torch.Tensor:
-        return self._sub(self.dropout1, self.self_attn.forward_step(x, x, x, cache, mask))  # new keys/values appended
+        return self.dropout1(self.self_attn.forward_step(x, x, x, cache, mask))  # new keys/values appended
 
     def _mha_block_step(self, x, memory, mask, cache: dict) -> torch.Tensor:
-        return self._sub(self.dropout2, self.cross_attn.forward_step(x, memory, memory, cache, mask, static=True))
+        return self.dropout2(self.cross_attn.forward_step(x, memory, memory, cache, mask, static=True))
 
     def _sa_block(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        return self._sub(self.dropout1, self.self_attn(x, x, x, mask))
+        return self.dropout1(self.self_attn(x, x, x, mask))
 
     def _mha_block(self, x: torch.Tensor, memory: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        return self._sub(self.dropout2, self.cross_attn(x, memory, memory, mask))  # queries x, keys and values memory
+        return self.dropout2(self.cross_attn(x, memory, memory, mask))  # queries x, keys and values memory
 
     def _ff_block(self, x: torch.Tensor) -> torch.Tensor:
-        return self._sub(self.dropout3, self.ff(x))
-
-    def extra_repr(self) -> str:
-        return f"norm_first={self.norm_first}{self._options_repr()}"
+        return self.dropout3(self.ff(x))
 
 
-class Encoder(Module):
+# -- chapter 16a's pitfall: the residual dropout after the LayerNorm -------------------------------------------------
+class DropoutAfterNormEncoderLayer(EncoderLayer):
+    """`EncoderLayer(..., dropout_place="after_norm")` (Post-LN only): x = dropout(norm(x + sublayer(x)))."""
+
+    def forward(self, x: torch.Tensor, src_mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.dropout1(self.norm1(x + self.self_attn(x, x, x, src_mask)))
+        return self.dropout2(self.norm2(x + self.ff(x)))  # (B, S, d)
+
+
+class DropoutAfterNormDecoderLayer(DecoderLayer):
+    """`DecoderLayer(..., dropout_place="after_norm")` (Post-LN only), as DropoutAfterNormEncoderLayer."""
+
+    def forward(self, x, memory, tgt_mask=None, memory_mask=None) -> torch.Tensor:
+        x = self.dropout1(self.norm1(x + self.self_attn(x, x, x, tgt_mask)))
+        x = self.dropout2(self.norm2(x + self.cross_attn(x, memory, memory, memory_mask)))
+        return self.dropout3(self.norm3(x + self.ff(x)))  # (B, T, d)
+
+    def forward_step(self, x, memory, cache: dict, tgt_mask=None, memory_mask=None) -> torch.Tensor:
+        sa, ca = cache.setdefault("self_attn", {}), cache.setdefault("cross_attn", {})
+        x = self.dropout1(self.norm1(x + self.self_attn.forward_step(x, x, x, sa, tgt_mask)))
+        x = self.dropout2(self.norm2(x + self.cross_attn.forward_step(x, memory, memory, ca, memory_mask, static=True)))
+        return self.dropout3(self.norm3(x + self.ff(x)))  # (B, Tn, d)
+
+
+EncoderLayer._after_norm, DecoderLayer._after_norm = DropoutAfterNormEncoderLayer, DropoutAfterNormDecoderLayer
+
+
+class Encoder(StackDoor, Module):
     """`n_layers` EncoderLayers (`layers.0`, ...), then `norm` if final_norm (None: as norm_first)."""
 
     def __init__(
@@ -230,11 +216,11 @@ class Encoder(Module):
         **layer_options,
     ):
         super().__init__()
-        _check_positive("Encoder", n_layers=n_layers)
-        final_norm = _check_bool("Encoder", "final_norm", norm_first if final_norm is None else final_norm)
-        dt, g = check_dtype(dtype), as_generator(rng)
+        check_sizes("Encoder", n_layers=n_layers)
+        final_norm = check_flag("Encoder", "final_norm", norm_first if final_norm is None else final_norm)
+        dt, gen = check_dtype(dtype), as_generator(rng)
         self.layers = nn.ModuleList(
-            EncoderLayer(d_model, n_heads, d_ff, dropout, activation, norm_first, rng=g, dtype=dt, **layer_options)
+            EncoderLayer(d_model, n_heads, d_ff, dropout, activation, norm_first, rng=gen, dtype=dt, **layer_options)
             for _ in range(n_layers)
         )
         self.norm = LayerNorm(d_model, dtype=dt) if final_norm else None
@@ -249,7 +235,7 @@ class Encoder(Module):
         return [layer.self_attn.attn_weights for layer in self.layers]
 
 
-class Decoder(Module):
+class Decoder(StackDoor, Module):
     """`n_layers` DecoderLayers, every one attending to the same `memory`, then `norm` if final_norm."""
 
     def __init__(
@@ -268,11 +254,11 @@ class Decoder(Module):
         **layer_options,
     ):
         super().__init__()
-        _check_positive("Decoder", n_layers=n_layers)
-        final_norm = _check_bool("Decoder", "final_norm", norm_first if final_norm is None else final_norm)
-        dt, g = check_dtype(dtype), as_generator(rng)
+        check_sizes("Decoder", n_layers=n_layers)
+        final_norm = check_flag("Decoder", "final_norm", norm_first if final_norm is None else final_norm)
+        dt, gen = check_dtype(dtype), as_generator(rng)
         self.layers = nn.ModuleList(
-            DecoderLayer(d_model, n_heads, d_ff, dropout, activation, norm_first, rng=g, dtype=dt, **layer_options)
+            DecoderLayer(d_model, n_heads, d_ff, dropout, activation, norm_first, rng=gen, dtype=dt, **layer_options)
             for _ in range(n_layers)
         )
         self.norm = LayerNorm(d_model, dtype=dt) if final_norm else None
@@ -297,8 +283,6 @@ class Decoder(Module):
         memory_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`forward` for new target positions only, with one key/value cache per layer (see DecoderLayer)."""
-        if len(caches) != len(self.layers):
-            raise ValueError(f"Decoder.forward_step: expected {len(self.layers)} layer caches, got {len(caches)}")
         for layer, cache in zip(self.layers, caches, strict=True):
             x = layer.forward_step(x, memory, cache, tgt_mask, memory_mask)  # (B, Tn, d)
         return self.norm(x) if self.norm is not None else x

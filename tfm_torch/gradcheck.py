@@ -66,8 +66,8 @@ def grad_check(
         if _is_float(x) and x.dtype != torch.float64:
             raise TypeError(f"grad_check: input{i} is {x.dtype}; gradient checks need float64 inputs")
     out = module(*xs, **kwargs)
-    g = torch.Generator().manual_seed(seed * 1_000_003 + _SALT)  # a stream of its own, not the data's
-    w = torch.randn(out.shape, generator=g, dtype=torch.float64) if loss_weights is None else loss_weights
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + _SALT)  # a stream of its own, not the data's
+    w = torch.randn(out.shape, generator=gen, dtype=torch.float64) if loss_weights is None else loss_weights
     module.zero_grad(set_to_none=True)
     (w * out).sum().backward()  # analytic, by autograd
 

@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tfm_common.validate import check_sizes
+from tfm_common.validate import check_padding_idx, check_probability, check_sizes
 from tfm_common.validate import normalized_shape as normalized_shape_of
 
-from .module import Module, as_generator, check_dtype, check_indices, check_input, check_probability
+from .module import Module, as_generator, check_dtype, check_indices, check_input
 
 __all__ = ["Linear", "Embedding", "ReLU", "GELU", "Dropout", "LayerNorm"]
 
@@ -23,15 +23,17 @@ class Linear(Module):
         super().__init__()
         in_features, out_features = check_sizes("Linear", in_features=in_features, out_features=out_features).values()
         self.in_features, self.out_features = in_features, out_features
-        dt, g = check_dtype(dtype), as_generator(rng)
+        dt, gen = check_dtype(dtype), as_generator(rng)
         bound = 1.0 / math.sqrt(in_features)
-        w = torch.empty(out_features, in_features, dtype=dt).uniform_(-bound, bound, generator=g)
+        w = torch.empty(out_features, in_features, dtype=dt).uniform_(-bound, bound, generator=gen)
         self.weight = nn.Parameter(w)
-        b = torch.empty(out_features, dtype=dt).uniform_(-bound, bound, generator=g) if bias else None
+        b = torch.empty(out_features, dtype=dt).uniform_(-bound, bound, generator=gen) if bias else None
         self.bias = nn.Parameter(b) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _check_forward(self, x) -> None:
         check_input("Linear", x, last_dim=self.in_features, dtype=self.weight.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
@@ -52,15 +54,15 @@ class Embedding(Module):
         sizes = check_sizes("Embedding", num_embeddings=num_embeddings, embedding_dim=embedding_dim)
         num_embeddings, embedding_dim = sizes.values()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.padding_idx = _check_padding_idx(padding_idx, num_embeddings)
-        dt, g = check_dtype(dtype), as_generator(rng)
-        w = torch.empty(num_embeddings, embedding_dim, dtype=dt).normal_(generator=g)
+        self.padding_idx = check_padding_idx("Embedding", padding_idx, num_embeddings)
+        dt, gen = check_dtype(dtype), as_generator(rng)
+        w = torch.empty(num_embeddings, embedding_dim, dtype=dt).normal_(generator=gen)
         if self.padding_idx is not None:
             w[self.padding_idx] = 0
         self.weight = nn.Parameter(w)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        ids = check_indices("Embedding: ids", ids, self.num_embeddings)
+        ids = check_indices("Embedding: ids", ids, self.num_embeddings)  # int32 or int64, as F.embedding wants
         return F.embedding(ids, self.weight, self.padding_idx)  # (*ids.shape, D)
 
     def extra_repr(self) -> str:
@@ -68,22 +70,13 @@ class Embedding(Module):
         return s + (f", padding_idx={self.padding_idx}" if self.padding_idx is not None else "")
 
 
-def _check_padding_idx(padding_idx, num_embeddings: int) -> int | None:
-    """torch's rule: padding_idx in [-num_embeddings, num_embeddings), negative counts from the end."""
-    if padding_idx is None:
-        return None
-    if not isinstance(padding_idx, int) or isinstance(padding_idx, bool):
-        raise TypeError(f"Embedding: padding_idx expected an int or None, got {type(padding_idx).__name__}")
-    if not -num_embeddings <= padding_idx < num_embeddings:
-        raise ValueError(f"Embedding: padding_idx must be in [-{num_embeddings}, {num_embeddings}), got {padding_idx}")
-    return padding_idx % num_embeddings
-
-
 class ReLU(Module):
     """y = max(x, 0)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _check_forward(self, x) -> None:
         check_input("ReLU", x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.relu(x)
 
 
@@ -97,8 +90,10 @@ class GELU(Module):
             raise ValueError(f"GELU: approximate must be 'none' or 'tanh', got {approximate!r}")
         self.approximate = approximate
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _check_forward(self, x) -> None:
         check_input("GELU", x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.approximate == "none":
             return x * 0.5 * (1 + torch.erf(x * (1 / math.sqrt(2))))
         return x * 0.5 * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
@@ -121,8 +116,14 @@ class Dropout(Module):
         self.rng = as_generator(rng)
         self.mask: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def _check_forward(self, x, mask=None) -> None:
         check_input("Dropout", x)
+        ok = isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.shape == x.shape
+        if mask is not None and self.training and not ok:  # in eval mode the mask is not used
+            got = f"{mask.dtype} tensor of shape {tuple(mask.shape)}" if isinstance(mask, torch.Tensor) else type(mask)
+            raise ValueError(f"Dropout: mask expected a bool tensor of shape {tuple(x.shape)}, got {got}")
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         if not self.training or (self.p == 0 and mask is None):
             return x
         if mask is None and torch.compiler.is_compiling():
@@ -133,9 +134,6 @@ class Dropout(Module):
         elif mask is None:
             u = torch.rand(x.shape, generator=self.rng, dtype=torch.float64, device=self.rng.device)
             mask = (u >= self.p).to(x.device)  # keep with probability 1 - p
-        elif not (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.shape == x.shape):
-            got = f"{mask.dtype} tensor of shape {tuple(mask.shape)}" if isinstance(mask, torch.Tensor) else type(mask)
-            raise ValueError(f"Dropout: mask expected a bool tensor of shape {tuple(x.shape)}, got {got}")
         self.mask = mask
         return x * mask / (1 - self.p)  # autograd's backward multiplies by the same mask / (1 - p)
 
@@ -159,12 +157,14 @@ class LayerNorm(Module):
         self.weight = nn.Parameter(torch.ones(self.normalized_shape, dtype=dt))
         self.bias = nn.Parameter(torch.zeros(self.normalized_shape, dtype=dt))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _check_forward(self, x) -> None:
         k = len(self.normalized_shape)
         check_input("LayerNorm", x, ndim_min=k, dtype=self.weight.dtype)
         if tuple(x.shape[-k:]) != self.normalized_shape:
             raise ValueError(f"LayerNorm: expected trailing shape {self.normalized_shape}, got shape {tuple(x.shape)}")
-        dims = tuple(range(-k, 0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dims = tuple(range(-len(self.normalized_shape), 0))
         mu = x.mean(dim=dims, keepdim=True)
         var = ((x - mu) ** 2).mean(dim=dims, keepdim=True)  # biased, like torch.nn.LayerNorm
         return (x - mu) * torch.rsqrt(var + self.eps) * self.weight + self.bias

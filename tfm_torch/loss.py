@@ -6,10 +6,14 @@ with F.cross_entropy. Autograd does the backward.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from tfm_common.validate import check_probability, check_size
+
 from .functional import log_softmax
-from .module import Module, _autocast_dtype, check_indices, check_input, check_probability
+from .module import Module, _autocast_dtype, check_indices, check_input
 
 __all__ = ["CrossEntropyLoss"]
 
@@ -24,19 +28,17 @@ class CrossEntropyLoss(Module):
 
     def __init__(self, ignore_index: int | None = None, label_smoothing: float = 0.0):
         super().__init__()
-        if ignore_index is not None and (isinstance(ignore_index, bool) or not isinstance(ignore_index, int)):
-            raise TypeError(
-                f"CrossEntropyLoss: ignore_index expected an int or None, got {type(ignore_index).__name__}"
-            )
-        self.ignore_index = ignore_index
+        self.ignore_index = check_size("CrossEntropyLoss", "ignore_index", ignore_index, -math.inf, allow_none=True)
         self.label_smoothing = check_probability("CrossEntropyLoss", "label_smoothing", label_smoothing, True)
 
-    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def _check_forward(self, logits, targets) -> None:
         check_input("CrossEntropyLoss: logits", logits)
         if not isinstance(targets, torch.Tensor) or targets.shape != logits.shape[:-1]:
             got = tuple(targets.shape) if isinstance(targets, torch.Tensor) else type(targets).__name__
             expected = tuple(logits.shape[:-1])
             raise ValueError(f"CrossEntropyLoss: targets expected shape {expected} (logits without V), got {got}")
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         eps = self.label_smoothing
         targets = check_indices("CrossEntropyLoss: targets", targets, logits.shape[-1], ignore=self.ignore_index)
         valid = (

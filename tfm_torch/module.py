@@ -8,12 +8,12 @@ The torch twin of `tfm_numpy.module`: modules here derive from `Module` below, a
 from __future__ import annotations
 
 import functools
-import numbers
 import threading
 
 import numpy as np
 import torch
 
+from tfm_common.validate import check_probability as check_probability  # re-exported: the layers' import
 from tfm_common.validate import check_seed
 
 
@@ -77,16 +77,6 @@ def check_indices(name: str, x, high: int, ignore: int | None = None) -> torch.T
     if bad.any():
         raise ValueError(f"{name}: values must be in {allowed}, got {x[bad][0].item()} (and {int(bad.sum()) - 1} more)")
     return x
-
-
-def check_probability(name: str, arg: str, p, allow_one: bool) -> float:
-    """A probability in [0, 1) or [0, 1]; the message names the argument."""
-    if isinstance(p, bool) or not isinstance(p, numbers.Real):
-        raise TypeError(f"{name}: {arg} expected a float, got {type(p).__name__}")
-    ok = 0 <= p <= 1 if allow_one else 0 <= p < 1
-    if not ok:
-        raise ValueError(f"{name}: {arg} must be in [0, {'1]' if allow_one else '1)'}, got {p}")
-    return float(p)
 
 
 # -- the door: a call from outside the library is checked once --------------------------------------------------------

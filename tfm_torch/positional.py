@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tfm_common.validate import check_sizes
+from tfm_common.validate import check_positions, check_sizes
 
 from .layers import Dropout
 from .module import Module, as_generator, check_dtype, check_input
@@ -29,14 +29,6 @@ def sinusoidal_positional_encoding(max_len: int, d_model: int, dtype=None) -> to
     return pe.to(check_dtype(dtype))
 
 
-def _check_length(name: str, T: int, offset: int, max_len: int) -> None:
-    if offset < 0:
-        raise ValueError(f"{name}: offset must be >= 0, got {offset}")
-    if offset + T > max_len:
-        start = f" starting at position {offset}" if offset else ""
-        raise ValueError(f"{name}: sequence length {T}{start} exceeds max_len {max_len}")
-
-
 class PositionalEncoding(Module):
     """x + PE[offset : offset + T], then dropout. The table is a non-persistent buffer: no state_dict key."""
 
@@ -47,11 +39,12 @@ class PositionalEncoding(Module):
         self.register_buffer("pe", pe, persistent=False)  # moves with .to()/.double(), not saved
         self.dropout = Dropout(dropout, rng=as_generator(rng))
 
-    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    def _check_forward(self, x, offset: int = 0) -> None:
         check_input("PositionalEncoding", x, ndim_min=2, last_dim=self.d_model, dtype=self.pe.dtype)
-        T = x.shape[-2]
-        _check_length("PositionalEncoding", T, offset, self.max_len)
-        return self.dropout(x + self.pe[offset : offset + T])  # (..., T, d) + (T, d)
+        check_positions("PositionalEncoding", x.shape[-2], offset, self.max_len)
+
+    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        return self.dropout(x + self.pe[offset : offset + x.shape[-2]])  # (..., T, d) + (T, d)
 
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, max_len={self.max_len}"
@@ -67,11 +60,12 @@ class LearnedPositionalEmbedding(Module):
         w = torch.empty(max_len, d_model, dtype=check_dtype(dtype)).normal_(generator=as_generator(rng))
         self.weight = nn.Parameter(w)
 
-    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    def _check_forward(self, x, offset: int = 0) -> None:
         check_input("LearnedPositionalEmbedding", x, ndim_min=2, last_dim=self.d_model, dtype=self.weight.dtype)
-        T = x.shape[-2]
-        _check_length("LearnedPositionalEmbedding", T, offset, self.max_len)
-        return x + self.weight[offset : offset + T]  # (..., T, d) + (T, d)
+        check_positions("LearnedPositionalEmbedding", x.shape[-2], offset, self.max_len)
+
+    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        return x + self.weight[offset : offset + x.shape[-2]]  # (..., T, d) + (T, d)
 
     def extra_repr(self) -> str:
         return f"max_len={self.max_len}, d_model={self.d_model}"

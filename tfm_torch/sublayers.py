@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from tfm_common.validate import check_flag, check_sizes
+from tfm_common.validate import check_sizes
 
 from .layers import GELU, Dropout, Linear, ReLU
 from .module import Module, as_generator, check_dtype
@@ -32,20 +32,20 @@ class PositionwiseFeedForward(Module):
         dropout: float = 0.1,
         activation: str = "relu",
         *,
-        hidden_dropout: bool = True,
         rng=None,
         dtype=None,
     ):
         super().__init__()
         d_model, d_ff = check_sizes("PositionwiseFeedForward", d_model=d_model, d_ff=d_ff).values()
-        dt, g = check_dtype(dtype), as_generator(rng)
+        dt, gen = check_dtype(dtype), as_generator(rng)
         self.d_model, self.d_ff, self.activation_name = d_model, d_ff, activation
-        self.linear1 = Linear(d_model, d_ff, rng=g, dtype=dt)  # (d_ff, d_model)
+        self.linear1 = Linear(d_model, d_ff, rng=gen, dtype=dt)  # (d_ff, d_model)
         self.activation = ReLU() if check_activation("PositionwiseFeedForward", activation) == "relu" else GELU()
-        # hidden_dropout=False (a pitfall of chapter 16a): no dropout on the d_ff hidden units, dropout=0 here
-        self.hidden_dropout = check_flag("PositionwiseFeedForward", "hidden_dropout", hidden_dropout)
-        self.dropout = Dropout(dropout if hidden_dropout else 0.0, rng=g)
-        self.linear2 = Linear(d_ff, d_model, rng=g, dtype=dt)  # (d_model, d_ff)
+        self.dropout = Dropout(dropout, rng=gen)  # on the d_ff hidden units
+        self.linear2 = Linear(d_ff, d_model, rng=gen, dtype=dt)  # (d_model, d_ff)
+
+    def _check_forward(self, x) -> None:
+        self.linear1._check_forward(x)  # what linear1 checks of a caller's x
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.activation(self.linear1(x))  # (B, T, d_ff)

@@ -11,8 +11,9 @@ import torch
 from torch import nn
 
 from tfm_common.config import check_transformer_config
+from tfm_common.doors import TransformerDoor
 from tfm_common.pitfalls import LAYER_PITFALLS, MODEL_PITFALLS, check_model_pitfalls
-from tfm_common.validate import check_decode_cache
+from tfm_common.validate import check_size
 
 from .attention import check_attention, use_attention
 from .encoder_decoder import Decoder, Encoder
@@ -39,7 +40,7 @@ def xavier_uniform_(p: torch.Tensor, rng=None) -> torch.Tensor:
     return p.uniform_(-a, a, generator=as_generator(rng))
 
 
-class Transformer(Module):
+class Transformer(TransformerDoor, Module):
     """The encoder-decoder Transformer, twin of tfm_numpy.Transformer (see its docstring for the options, the
     weight sharing and the initialization). `model(src, tgt_in)` -> logits (B, T, tgt_vocab_size).
 
@@ -67,7 +68,7 @@ class Transformer(Module):
         final_norm: bool | None = None,
         *,
         attention: str = "explicit",
-        block_size: int = 64,
+        tile_size: int = 64,
         score_scale: str = "d_k",
         head_projection: str = "full",
         dropout_place: str = "sublayer",
@@ -113,86 +114,63 @@ class Transformer(Module):
         d_model, n_heads, d_ff, n_layers, max_len, pad_id = (c[k] for k in ("d_model", "n_heads", "d_ff", "n_layers",
                                                                             "max_len", "pad_id"))  # fmt: skip
         src_vocab_size, tgt_vocab_size = c["src_vocab_size"], c["tgt_vocab_size"]
-        attention, block_size = check_attention("Transformer", attention, block_size)
+        attention, tile_size = check_attention(
+            "Transformer", attention, check_size("Transformer", "tile_size", tile_size)
+        )
         self.d_model, self.max_len, self.pad_id = d_model, max_len, pad_id
         self.src_vocab_size, self.tgt_vocab_size = src_vocab_size, tgt_vocab_size
-        dt, g = check_dtype(dtype), as_generator(rng)
+        dt, gen = check_dtype(dtype), as_generator(rng)
         stack = (n_layers, d_model, n_heads, d_ff, dropout, activation, norm_first, final_norm)
 
-        self.src_embed = Embedding(src_vocab_size, d_model, padding_idx=pad_id, rng=g, dtype=dt)
-        self.tgt_embed = Embedding(tgt_vocab_size, d_model, padding_idx=pad_id, rng=g, dtype=dt)
+        self.src_embed = Embedding(src_vocab_size, d_model, padding_idx=pad_id, rng=gen, dtype=dt)
+        self.tgt_embed = Embedding(tgt_vocab_size, d_model, padding_idx=pad_id, rng=gen, dtype=dt)
         with torch.no_grad():
             for emb in (self.src_embed, self.tgt_embed):
                 if embed_scale != "none":  # "none" keeps N(0, 1), torch.nn.Embedding's default
                     emb.weight.mul_(d_model**-0.5)  # N(0, 1) -> N(0, 1/d_model); the padding row stays 0
         if share_embeddings:
             self.tgt_embed.weight = self.src_embed.weight  # one Parameter, two lookups
-        self.src_pos = self._make_positional(positional, g, dt)
-        self.tgt_pos = self._make_positional(positional, g, dt)
-        self.src_dropout = Dropout(dropout, rng=g)
-        self.tgt_dropout = Dropout(dropout, rng=g)
+        self.src_pos = self._make_positional(positional, gen, dt)
+        self.tgt_pos = self._make_positional(positional, gen, dt)
+        self.src_dropout = Dropout(dropout, rng=gen)
+        self.tgt_dropout = Dropout(dropout, rng=gen)
         self.src_embed_norm = LayerNorm(d_model, dtype=dt) if opts["embed_norm"] else None  # after the dropout
         self.tgt_embed_norm = LayerNorm(d_model, dtype=dt) if opts["embed_norm"] else None
-        self.encoder = Encoder(*stack, rng=g, dtype=dt, **layer_opts)
-        self.decoder = Decoder(*stack, rng=g, dtype=dt, **layer_opts)
-        self.output_projection = Linear(d_model, tgt_vocab_size, bias=False, rng=g, dtype=dt)  # (V, d)
+        self.encoder = Encoder(*stack, rng=gen, dtype=dt, **layer_opts)
+        self.decoder = Decoder(*stack, rng=gen, dtype=dt, **layer_opts)
+        self.output_projection = Linear(d_model, tgt_vocab_size, bias=False, rng=gen, dtype=dt)  # (V, d)
         if tie_output:
             self.output_projection.weight = self.tgt_embed.weight  # logits = y @ E^T
         else:
-            xavier_uniform_(self.output_projection.weight, g)
+            xavier_uniform_(self.output_projection.weight, gen)
         for p in [*self.encoder.parameters(), *self.decoder.parameters()]:
             if p.dim() == 2:
-                xavier_uniform_(p, g)
-        use_attention(self, attention, block_size)  # how every attention computes its heads (not a weight)
+                xavier_uniform_(p, gen)
+        use_attention(self, attention, tile_size)  # how every attention computes its heads (not a weight)
 
-    def _make_positional(self, positional: str, g, dt) -> nn.Module:
+    def _make_positional(self, positional: str, gen, dt) -> nn.Module:
         if positional == "sinusoidal":  # no parameters; its own dropout unused (p=0): ours follows the sum
             return PositionalEncoding(self.d_model, self.max_len, dropout=0.0, dtype=dt)
-        return LearnedPositionalEmbedding(self.max_len, self.d_model, rng=g, dtype=dt)
+        return LearnedPositionalEmbedding(self.max_len, self.d_model, rng=gen, dtype=dt)
 
     def encode(self, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """src (B, S) ids -> (memory (B, S, d), src_mask (B, 1, 1, S), True at real tokens)."""
-        self._check_tokens("src", src, self.src_vocab_size)
         src_mask = padding_mask(src, self.pad_id)  # (B, 1, 1, S)
         x = self._embed(src, self.src_embed, self.src_pos, self.src_dropout, self.src_embed_norm)  # (B, S, d)
         return self.encoder(x, src_mask), src_mask
 
     def decode(self, tgt_in: torch.Tensor, memory: torch.Tensor, src_mask: torch.Tensor) -> torch.Tensor:
         """tgt_in (B, T) ids, memory (B, S, d), src_mask (B, 1, 1, S) -> logits (B, T, tgt_vocab_size)."""
-        self._check_tokens("tgt_in", tgt_in, self.tgt_vocab_size)
-        dt = self.src_embed.weight.dtype
-        check_input("Transformer.decode: memory", memory, ndim_min=3, last_dim=self.d_model, dtype=dt)
-        if memory.dim() != 3 or memory.shape[0] != tgt_in.shape[0]:
-            raise ValueError(
-                f"Transformer.decode: memory expected shape (B={tgt_in.shape[0]}, S, {self.d_model}), "
-                f"got {tuple(memory.shape)}"
-            )
         tgt_mask = self._tgt_mask(tgt_in)  # (B, 1, T, T): causal and not padding
         y = self._embed(tgt_in, self.tgt_embed, self.tgt_pos, self.tgt_dropout, self.tgt_embed_norm)  # (B, T, d)
         y = self.decoder(y, memory, tgt_mask, src_mask)  # (B, T, d)
         return self._logits(y)  # (B, T, V)
 
-    def _check_step_inputs(self, memory, src_mask, B: int, Tn: int) -> None:
-        """decode_step's memory (B, S, d_model) and src_mask, checked before anything is appended to the cache
-        (as tfm_numpy's): a refused step leaves the cache as it was."""
-        check_input("Transformer.decode_step: memory", memory, dtype=self.tgt_embed.weight.dtype)
-        if memory.dim() != 3 or memory.shape[0] != B or memory.shape[2] != self.d_model:
-            raise ValueError(f"Transformer.decode_step: memory expected shape (B={B}, S, {self.d_model}), "
-                             f"got {tuple(memory.shape)}")  # fmt: skip
-        if src_mask is not None:
-            heads = self.decoder.layers[0].cross_attn.n_heads if len(self.decoder.layers) else 1
-            check_mask(src_mask, (B, heads, Tn, memory.shape[1]))
-
     def decode_step(self, tgt_new: torch.Tensor, memory: torch.Tensor, src_mask: torch.Tensor, cache: dict):
         """Incremental decoding (inference): the logits (B, Tn, V) of the new target tokens `tgt_new` (B, Tn) given
         the `cache` of the earlier calls (a dict, empty at first, filled here; the layout of tfm_numpy's: the target
         side's keys, values and padding mask in buffers of cache["capacity"] positions, written in place)."""
-        self._check_tokens("tgt_new", tgt_new, self.tgt_vocab_size)
-        check_decode_cache(cache, tgt_new.shape[0])
         t0, Tn = cache.get("length", 0), tgt_new.shape[1]
-        if t0 + Tn > self.max_len:
-            raise ValueError(f"Transformer.decode_step: positions up to {t0 + Tn - 1} exceed max_len={self.max_len}")
-        self._check_step_inputs(memory, src_mask, tgt_new.shape[0], Tn)  # before the cache changes at all
         cap = min(cache.setdefault("capacity", self.max_len), self.max_len)  # positions to make room for, once
         keep = cache_append(cache, "keep", padding_mask(tgt_new, self.pad_id), axis=3)  # (B, 1, 1, T), in place
         causal = torch.ones(Tn, t0 + Tn, dtype=torch.bool, device=tgt_new.device).tril(t0)  # new i sees 0 .. t0 + i
@@ -225,13 +203,10 @@ class Transformer(Module):
             return decoder_mask(tgt_in, self.pad_id)
         return causal_mask(tgt_in.shape[1], tgt_in.device)
 
-    def _check_tokens(self, arg: str, tokens, vocab_size: int) -> None:
-        check_indices(f"Transformer: {arg}", tokens, vocab_size)
-        if tokens.dim() != 2 or tokens.shape[1] < 1:
-            raise ValueError(f"Transformer: {arg} expected shape (B, T) with T >= 1, got {tuple(tokens.shape)}")
-        if tokens.shape[1] > self.max_len:
-            raise ValueError(f"Transformer: {arg} has length {tokens.shape[1]}, more than max_len={self.max_len}")
+    _check_ids, _check_float = staticmethod(check_indices), staticmethod(check_input)  # see tfm_common.doors
+    _check_mask = staticmethod(check_mask)
 
+    # -- inspection -------------------------------------------------------------------------------------------
     def attention_weights(self) -> dict[str, list[torch.Tensor]]:
         """{"encoder": [(B, H, S, S)], "decoder": [(B, H, T, T)], "cross": [(B, H, T, S)]}, one per layer."""
         return {

@@ -1,0 +1,135 @@
+"""What a call from outside the library is checked for, for the 2017 model's layers, stacks and Transformer: the
+rules once, for both tracks.
+
+Each track's Module runs a module's `_check_<method>` (`_check_forward`, `_check_decode`, ...) at the outermost
+call only (see tfm_numpy.module, "the door"); the calls a model makes to its own layers are not checked again. So
+a layer's door must refuse everything its inner calls used to refuse: a mask handed to `EncoderLayer` is checked
+here against its attention's scores, as MultiHeadAttention would have. The mixins below hold those rules; the
+track supplies its array checks as static methods: `_check_float` (its check_input), `_check_mask` (the masks'
+check) and, for the Transformer, `_check_ids` (its check_indices). Shapes are read through `.shape`, which arrays
+and tensors share.
+"""
+
+from __future__ import annotations
+
+from .pitfalls import check_layer_pitfalls
+from .validate import check_decode_cache, check_flag
+
+__all__ = ["LayerDoor", "EncoderLayerDoor", "DecoderLayerDoor", "StackDoor", "TransformerDoor"]
+
+
+class LayerDoor:
+    """An encoder or decoder layer's options and checks: `dropout_place="after_norm"` (chapter 16a) builds the
+    variant class `_after_norm` (whose residual dropout follows the LayerNorm) instead of the paper's layer."""
+
+    _after_norm: type | None = None
+
+    def __new__(cls, *args, dropout_place: str = "sublayer", **kwargs):
+        return super().__new__(cls._after_norm if dropout_place == "after_norm" and cls._after_norm else cls)
+
+    def _options(self, owner: str, norm_first, dropout_place, ff_dropout) -> None:
+        self.norm_first = check_flag(owner, "norm_first", norm_first)
+        self.dropout_place, self.ff_dropout = check_layer_pitfalls(owner, norm_first, dropout_place, ff_dropout)
+
+    def extra_repr(self) -> str:
+        opts = {"dropout_place": (self.dropout_place, "sublayer"), "ff_dropout": (self.ff_dropout, True)}
+        return f"norm_first={self.norm_first}" + "".join(f", {k}={v!r}" for k, (v, d) in opts.items() if v != d)
+
+    def _check_x(self, name: str, x) -> None:
+        """A (B, T, d_model) float array or tensor of the parameters' dtype (read off the layer's norm1)."""
+        self._check_float(name, x, ndim_min=3, last_dim=self.norm1.normalized_shape[0], dtype=self.norm1.weight.dtype)
+        if len(x.shape) != 3:
+            raise ValueError(f"{name}: expected shape (B, T, d_model), got {tuple(x.shape)}")
+
+    def _check_attention_mask(self, attn, mask, batch: int, n_queries: int, n_keys: int) -> None:
+        """A mask handed to the layer: boolean, broadcasting to its attention's scores (B, H, Tq, Tk)."""
+        if mask is not None:
+            self._check_mask(mask, (batch, attn.n_heads, n_queries, n_keys))
+
+
+class EncoderLayerDoor(LayerDoor):
+    def _check_forward(self, x, src_mask=None) -> None:
+        self._check_x("EncoderLayer: x", x)
+        self._check_attention_mask(self.self_attn, src_mask, x.shape[0], x.shape[1], x.shape[1])
+
+
+class DecoderLayerDoor(LayerDoor):
+    def _check_forward(self, x, memory, tgt_mask=None, memory_mask=None, *, cached: int = 0) -> None:
+        """x (B, T, d) and memory (B, S, d); tgt_mask covers the `cached` earlier positions and the T new ones."""
+        self._check_x("DecoderLayer: x", x)
+        self._check_x("DecoderLayer: memory", memory)
+        (B, T), S = x.shape[:2], memory.shape[1]
+        if memory.shape[0] != B:
+            raise ValueError(f"DecoderLayer: batch sizes differ: x {tuple(x.shape)}, memory {tuple(memory.shape)}")
+        self._check_attention_mask(self.self_attn, tgt_mask, B, T, cached + T)
+        self._check_attention_mask(self.cross_attn, memory_mask, B, T, S)
+
+    def _check_forward_step(self, x, memory, cache, tgt_mask=None, memory_mask=None) -> None:
+        self._check_x("DecoderLayer: x", x)
+        self._check_forward(x, memory, tgt_mask, memory_mask, cached=_cached(cache.get("self_attn", {}), x))
+
+
+def _cached(cache: dict, x) -> int:
+    """How many positions a self-attention's decoding cache holds, after checking it holds x's batch."""
+    if "k" in cache and cache["k"].shape[0] != x.shape[0]:
+        raise ValueError(
+            f"MultiHeadAttention: the cache holds {cache['k'].shape[0]} rows, the input has {x.shape[0]}; start a new "
+            "cache for a new batch (or reorder it with reorder_cache)"
+        )
+    return cache["k"].shape[2] if "k" in cache else 0
+
+
+class StackDoor:
+    """An Encoder or Decoder checks what its first layer checks; forward_step's caches, one per layer."""
+
+    def _check_forward(self, *args, **kwargs) -> None:
+        self.layers[0]._check_forward(*args, **kwargs)
+
+    def _check_forward_step(self, x, memory, caches, *args, **kwargs) -> None:
+        if len(caches) != len(self.layers):
+            raise ValueError(f"Decoder.forward_step: expected {len(self.layers)} layer caches, got {len(caches)}")
+        self.layers[0]._check_forward_step(x, memory, caches[0], *args, **kwargs)
+
+
+class TransformerDoor:
+    """The Transformer's entry points: token ids, memory and the source mask, checked before anything changes (a
+    refused decode_step leaves the cache as it was, and the search can go on)."""
+
+    def _check_tokens(self, arg: str, tokens, vocab_size: int) -> None:
+        self._check_ids(f"Transformer: {arg}", tokens, vocab_size)
+        if len(tokens.shape) != 2 or tokens.shape[1] < 1:
+            raise ValueError(f"Transformer: {arg} expected shape (B, T) with T >= 1, got {tuple(tokens.shape)}")
+        if tokens.shape[1] > self.max_len:
+            raise ValueError(f"Transformer: {arg} has length {tokens.shape[1]}, more than max_len={self.max_len}")
+
+    def _check_memory(self, method: str, memory, src_mask, B: int, Tq: int) -> None:
+        """memory (B, S, d_model) of the parameters' dtype, and src_mask for the cross-attention's scores."""
+        self._check_float(f"Transformer.{method}: memory", memory, ndim_min=3, dtype=self.tgt_embed.weight.dtype)
+        if len(memory.shape) != 3 or memory.shape[0] != B or memory.shape[2] != self.d_model:
+            got = tuple(memory.shape)
+            raise ValueError(f"Transformer.{method}: memory expected shape (B={B}, S, {self.d_model}), got {got}")
+        if src_mask is not None:
+            self._check_mask(src_mask, (B, self.decoder.layers[0].cross_attn.n_heads, Tq, memory.shape[1]))
+
+    def _check_encode(self, src) -> None:
+        self._check_tokens("src", src, self.src_vocab_size)
+
+    def _check_decode(self, tgt_in, memory, src_mask) -> None:
+        self._check_tokens("tgt_in", tgt_in, self.tgt_vocab_size)
+        self._check_memory("decode", memory, src_mask, *tgt_in.shape)
+
+    def _check_forward(self, src, tgt_in) -> None:
+        self._check_tokens("src", src, self.src_vocab_size)
+        self._check_tokens("tgt_in", tgt_in, self.tgt_vocab_size)
+        if src.shape[0] != tgt_in.shape[0]:  # the memory would not match tgt_in's batch
+            got = (src.shape[0], src.shape[1], self.d_model)
+            raise ValueError(f"Transformer.decode: memory expected shape (B={tgt_in.shape[0]}, S, {self.d_model}), "
+                             f"got {got}")  # fmt: skip
+
+    def _check_decode_step(self, tgt_new, memory, src_mask, cache) -> None:
+        self._check_tokens("tgt_new", tgt_new, self.tgt_vocab_size)
+        check_decode_cache(cache, tgt_new.shape[0])
+        t0, Tn = cache.get("length", 0), tgt_new.shape[1]
+        if t0 + Tn > self.max_len:
+            raise ValueError(f"Transformer.decode_step: positions up to {t0 + Tn - 1} exceed max_len={self.max_len}")
+        self._check_memory("decode_step", memory, src_mask, *tgt_new.shape)
