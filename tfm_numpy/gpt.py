@@ -84,6 +84,15 @@ class GPTBlock(Module):
         x = x + self.dropout1(self.self_attn.forward_step(self.norm1(x), cache, mask))
         return x + self.dropout2(self.ff(self.norm2(x)))
 
+    # the door: what the inner norm and attention refused of a caller's x and mask (inner calls skip their checks)
+    def _check_forward(self, x, mask=None, offset=0) -> None:
+        self.norm1._check_forward(x)
+        self.self_attn._check_forward(x, mask, offset)
+
+    def _check_forward_step(self, x, cache, mask=None) -> None:
+        self.norm1._check_forward(x)
+        self.self_attn._check_forward_step(x, cache, mask)
+
 
 class GPT(Module):
     """A decoder-only Transformer (Radford et al., 2018, 2019): token embedding (+ positions), n_layers GPTBlocks
