@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from tfm_common.config import VIT_ARGS, check_patch_embedding, check_vit_config
+from tfm_common.model_doors import ImageModelDoor, PatchEmbeddingDoor
 
 from .encoder_decoder import Encoder
 from .layers import Dropout, Linear
@@ -32,8 +33,10 @@ def unpatchify(patches: torch.Tensor, patch_size: int, channels: int, height: in
     return x.reshape(B, channels, height, width)
 
 
-class PatchEmbedding(Module):
+class PatchEmbedding(PatchEmbeddingDoor, Module):
     """Non-overlapping p x p patches, each mapped to d_model by one Linear `proj`: (B, C, H, W) -> (B, N, d)."""
+
+    _check_float = staticmethod(check_input)  # see tfm_common.model_doors
 
     def __init__(self, image_size: int, patch_size: int, in_channels: int, d_model: int, *, rng=None, dtype=None):
         super().__init__()
@@ -47,18 +50,11 @@ class PatchEmbedding(Module):
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.proj(patchify(images, self.patch_size))  # (B, N, d)
 
-    def _check_forward(self, images) -> None:
-        """At the door (and at the door of ViT and Swin, which hand their images straight here)."""
-        check_input("PatchEmbedding", images, ndim_min=4, dtype=self.proj.weight.dtype)
-        C, S = self.in_channels, self.image_size
-        if images.dim() != 4 or tuple(images.shape[1:]) != (C, S, S):
-            raise ValueError(f"PatchEmbedding: images expected shape (B, {C}, {S}, {S}), got {tuple(images.shape)}")
-
     def extra_repr(self) -> str:
         return f"image_size={self.image_size}, patch_size={self.patch_size}, n_patches={self.n_patches}"
 
 
-class ViT(Module):
+class ViT(ImageModelDoor, Module):
     """A Vision Transformer classifier, the twin of tfm_numpy.ViT: `model(images)` -> logits (B, n_classes)."""
 
     def __init__(
@@ -101,9 +97,6 @@ class ViT(Module):
         h = self.encoder(self.dropout(self.pos_embed(x)))  # (B, T, d)
         pooled = h[:, 0] if self.pool == "cls" else h.mean(dim=1)  # (B, d)
         return self.head(pooled)  # (B, K)
-
-    def _check_forward(self, images) -> None:
-        self.patch_embed._check_forward(images)
 
     def attention_weights(self) -> list[torch.Tensor]:
         """[(B, H, T, T) per layer] from the last forward (detached)."""
