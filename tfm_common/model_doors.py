@@ -1,8 +1,6 @@
-"""What a call from outside the library is checked for, for the GPT, ViT and Swin modules: the rules once, for both
-tracks (the 2017 model's are in `tfm_common.doors`, whose conventions these follow). The track supplies its array
-checks as static methods: `_check_float` (its check_input) and, for the GPT, `_check_ids` (its check_indices); the
-WindowAttention its mask type as `_mask_kind` = (array type, bool dtype, word). Shapes are read through `.shape`.
-"""
+"""The doors of the GPT, ViT and Swin modules, once for both tracks, as `tfm_common.doors` holds the 2017 model's:
+the track supplies `_check_float` (its check_input), `_check_ids` (its check_indices) and, for WindowAttention, the
+mask's `_mask_kind` = (array type, bool dtype, word)."""
 
 from __future__ import annotations
 
