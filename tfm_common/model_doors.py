@@ -1,13 +1,14 @@
-"""The doors of the GPT, ViT and Swin modules, once for both tracks, as `tfm_common.doors` holds the 2017 model's:
-the track supplies `_check_float` (its check_input), `_check_ids` (its check_indices) and, for WindowAttention, the
-mask's `_mask_kind` = (array type, bool dtype, word)."""
+"""The doors of the GPT, ViT and Swin modules, with their reprs and `attention_weights`, once for both tracks (as
+`tfm_common.doors` holds the 2017 model's): the track supplies `_check_float` (its check_input), `_check_ids` (its
+check_indices) and, for WindowAttention, the mask's `_mask_kind` = (array type, bool dtype, word). The attention
+weights are the last forward's (detached in tfm_torch)."""
 
 from __future__ import annotations
 
 from .sampling import check_generate, check_token_window
 
-__all__ = ["GPTBlockDoor", "GPTDoor", "PatchEmbeddingDoor", "ImageModelDoor", "WindowAttentionDoor", "SwinBlockDoor",
-           "PatchMergingDoor"]  # fmt: skip
+__all__ = ["GPTBlockDoor", "GPTDoor", "PatchEmbeddingDoor", "ImageModelDoor", "ViTDoor", "SwinDoor",
+           "WindowAttentionDoor", "SwinBlockDoor", "PatchMergingDoor"]  # fmt: skip
 
 
 class GPTBlockDoor:
@@ -41,6 +42,14 @@ class GPTDoor:
         self._check_ids("GPT: tokens", tokens, self.vocab_size)
         return check_token_window("GPT", tuple(tokens.shape), offset, self.max_len)
 
+    def attention_weights(self) -> list:
+        """[(B, H, T, T) per layer]: the last forward's self-attention weights."""
+        return [layer.self_attn.attn_weights for layer in self.layers]
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return ", ".join(f"{k}={c[k]!r}" for k in ("norm", "positional", "activation", "n_kv_heads", "tie_output"))
+
 
 class PatchEmbeddingDoor:
     """Images (B, C, S, S) of the parameters' dtype (the door of ViT and Swin too, which hand them straight here)."""
@@ -51,12 +60,30 @@ class PatchEmbeddingDoor:
         if len(images.shape) != 4 or tuple(images.shape[1:]) != (C, S, S):
             raise ValueError(f"PatchEmbedding: images expected shape (B, {C}, {S}, {S}), got {tuple(images.shape)}")
 
+    def extra_repr(self) -> str:
+        return f"image_size={self.image_size}, patch_size={self.patch_size}, n_patches={self.n_patches}"
+
 
 class ImageModelDoor:
     """A ViT or Swin checks what its patch embedding checks."""
 
     def _check_forward(self, images) -> None:
         self.patch_embed._check_forward(images)
+
+
+class ViTDoor(ImageModelDoor):
+    def attention_weights(self) -> list:
+        """[(B, H, T, T) per layer] from the last forward; with pool="cls", token 0 is the class token."""
+        return self.encoder.attention_weights()
+
+    def extra_repr(self) -> str:
+        return f"pool={self.pool!r}, n_patches={self.patch_embed.n_patches}"
+
+
+class SwinDoor(ImageModelDoor):
+    def attention_weights(self) -> list:
+        """[(B nW, heads, M M, M M) per block] from the last forward."""
+        return [block.attn.attn_weights for stage in self.stages for block in stage]
 
 
 class WindowAttentionDoor:
@@ -74,6 +101,9 @@ class WindowAttentionDoor:
         if x.shape[0] % mask.shape[0]:
             raise ValueError(f"WindowAttention: {x.shape[0]} windows is not a multiple of the mask's {mask.shape[0]}")
 
+    def extra_repr(self) -> str:
+        return f"d_model={self.d_model}, n_heads={self.n_heads}, window_size={self.window_size}"
+
 
 class GridDoor:
     """x (B, H W, d_model): the module's grid of tokens, of its norm's dtype (`_owner` and `_norm` name them)."""
@@ -88,6 +118,12 @@ class GridDoor:
 class SwinBlockDoor(GridDoor):
     _owner, _norm = "SwinBlock", "norm1"
 
+    def extra_repr(self) -> str:
+        return f"resolution={self.resolution}, window_size={self.window_size}, shift={self.shift}"
+
 
 class PatchMergingDoor(GridDoor):
     _owner, _norm = "PatchMerging", "norm"
+
+    def extra_repr(self) -> str:
+        return f"resolution={self.resolution}, d_model={self.d_model}"

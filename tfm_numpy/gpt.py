@@ -225,11 +225,3 @@ class GPT(GPTDoor, Module):
                 out = np.concatenate([out, nxt[:, None]], axis=1)
         self._cache = None
         return out
-
-    def attention_weights(self) -> list[np.ndarray]:
-        """[(B, H, T, T) per layer]: the last forward's self-attention weights."""
-        return [layer.self_attn.attn_weights for layer in self.layers]
-
-    def extra_repr(self) -> str:
-        c = self.config
-        return ", ".join(f"{k}={c[k]!r}" for k in ("norm", "positional", "activation", "n_kv_heads", "tie_output"))

@@ -19,7 +19,7 @@ import math
 import numpy as np
 
 from tfm_common.config import SWIN_ARGS, check_swin_config, check_window_grid, swin_shift
-from tfm_common.model_doors import ImageModelDoor, PatchMergingDoor, SwinBlockDoor, WindowAttentionDoor
+from tfm_common.model_doors import PatchMergingDoor, SwinBlockDoor, SwinDoor, WindowAttentionDoor
 from tfm_common.validate import check_size
 
 from .layers import Dropout, LayerNorm, Linear
@@ -153,9 +153,6 @@ class WindowAttention(WindowAttentionDoor, Module):
         dx += self.v_proj.backward(self._merge(dv))  # x fed queries, keys and values: the gradients add
         return dx
 
-    def extra_repr(self) -> str:
-        return f"d_model={self.d_model}, n_heads={self.n_heads}, window_size={self.window_size}"
-
 
 def _window_mask(mask, n_windows_total: int):
     """(nW, N, N) bool -> (B nW, 1, N, N): window w of every image gets mask[w] (windows are image-major)."""
@@ -223,9 +220,6 @@ class SwinBlock(SwinBlockDoor, Module):
         dx = grad_out + self.norm2.backward(self.ff.backward(self.dropout2.backward(grad_out)))
         return dx + self.norm1.backward(self._attend_backward(self.dropout1.backward(dx)))
 
-    def extra_repr(self) -> str:
-        return f"resolution={self.resolution}, window_size={self.window_size}, shift={self.shift}"
-
 
 class PatchMerging(PatchMergingDoor, Module):
     """Halve the grid, double the width: each 2x2 group of tokens concatenated (4d), normalized, mapped to 2d.
@@ -260,11 +254,8 @@ class PatchMerging(PatchMergingDoor, Module):
         d_groups = self.norm.backward(self.reduction.backward(grad_out))  # (B, H W / 4, 4d)
         return d_groups.reshape(B, H // 2, W // 2, 2, 2, d).transpose(0, 1, 4, 2, 3, 5).reshape(shape)
 
-    def extra_repr(self) -> str:
-        return f"resolution={self.resolution}, d_model={self.d_model}"
 
-
-class Swin(ImageModelDoor, Module):
+class Swin(SwinDoor, Module):
     """A small Swin classifier: patches -> stages of SwinBlocks (shift 0, M/2, 0, M/2, ...) with PatchMerging
     between stages -> LayerNorm -> mean over tokens -> Linear. No absolute positions: the relative position
     bias of every window attention carries where tokens are.
@@ -329,7 +320,3 @@ class Swin(ImageModelDoor, Module):
         for block in reversed(list(self._blocks())):
             dx = block.backward(dx)
         return self.patch_embed.backward(self.dropout.backward(dx))  # (B, C, H, W)
-
-    def attention_weights(self) -> list[np.ndarray]:
-        """[(B nW, heads, M M, M M) per block] from the last forward."""
-        return [block.attn.attn_weights for stage in self.stages for block in stage]

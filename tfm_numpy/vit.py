@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from tfm_common.config import VIT_ARGS, check_patch_embedding, check_vit_config
-from tfm_common.model_doors import ImageModelDoor, PatchEmbeddingDoor
+from tfm_common.model_doors import PatchEmbeddingDoor, ViTDoor
 
 from .encoder_decoder import Encoder
 from .layers import Dropout, Linear
@@ -67,11 +67,8 @@ class PatchEmbedding(PatchEmbeddingDoor, Module):
         B, C, H, W = self._saved()
         return unpatchify(self.proj.backward(grad_out), self.patch_size, C, H, W)  # (B, C, H, W)
 
-    def extra_repr(self) -> str:
-        return f"image_size={self.image_size}, patch_size={self.patch_size}, n_patches={self.n_patches}"
 
-
-class ViT(ImageModelDoor, Module):
+class ViT(ViTDoor, Module):
     """A Vision Transformer classifier. `model(images (B, C, H, W))` -> logits (B, n_classes);
     `model.backward(dlogits)` fills every parameter's `.grad` and returns dL/dimages.
 
@@ -133,10 +130,3 @@ class ViT(ImageModelDoor, Module):
             self.cls_token.grad += dx[:, :1].sum(axis=0, keepdims=True)  # one token shared by every image
             dx = dx[:, 1:]
         return self.patch_embed.backward(np.ascontiguousarray(dx))  # (B, C, H, W)
-
-    def attention_weights(self) -> list[np.ndarray]:
-        """[(B, H, T, T) per layer] from the last forward; with pool="cls", token 0 is the class token."""
-        return self.encoder.attention_weights()
-
-    def extra_repr(self) -> str:
-        return f"pool={self.pool!r}, n_patches={self.patch_embed.n_patches}"

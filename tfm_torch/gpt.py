@@ -163,11 +163,3 @@ class GPT(GPTDoor, Module):
                 nxt = sample_next(logits.double().cpu().numpy(), temperature, top_k, rng)
                 out = torch.cat([out, torch.from_numpy(nxt).to(out.device)[:, None]], dim=1)
         return out
-
-    def attention_weights(self) -> list[torch.Tensor]:
-        """[(B, H, T, T) per layer]: the last forward's self-attention weights (detached)."""
-        return [layer.self_attn.attn_weights for layer in self.layers]
-
-    def extra_repr(self) -> str:
-        c = self.config
-        return ", ".join(f"{k}={c[k]!r}" for k in ("norm", "positional", "activation", "n_kv_heads", "tie_output"))

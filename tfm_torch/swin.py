@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from tfm_common.config import SWIN_ARGS, check_swin_config, check_window_grid, swin_shift
-from tfm_common.model_doors import ImageModelDoor, PatchMergingDoor, SwinBlockDoor, WindowAttentionDoor
+from tfm_common.model_doors import PatchMergingDoor, SwinBlockDoor, SwinDoor, WindowAttentionDoor
 from tfm_common.validate import check_size
 
 from .layers import Dropout, LayerNorm, Linear
@@ -110,9 +110,6 @@ class WindowAttention(WindowAttentionDoor, Module):
         self.attn_weights = p.detach()
         return self.out_proj(self._merge(self.dropout(p) @ v))
 
-    def extra_repr(self) -> str:
-        return f"d_model={self.d_model}, n_heads={self.n_heads}, window_size={self.window_size}"
-
 
 def _window_mask(mask, n_windows_total: int):
     """(nW, N, N) bool -> (B nW, 1, N, N): window w of every image gets mask[w] (windows are image-major)."""
@@ -153,9 +150,6 @@ class SwinBlock(SwinBlockDoor, Module):
         out = self.attn(window_partition(grid, M), self.mask)
         return cyclic_shift(window_reverse(out, M, H, W), -self.shift).reshape(B, H * W, -1)
 
-    def extra_repr(self) -> str:
-        return f"resolution={self.resolution}, window_size={self.window_size}, shift={self.shift}"
-
 
 class PatchMerging(PatchMergingDoor, Module):
     """(B, H W, d) -> (B, H/2 W/2, 2d): 2x2 groups concatenated, LayerNorm(4d), Linear(4d, 2d, bias=False)."""
@@ -178,11 +172,8 @@ class PatchMerging(PatchMergingDoor, Module):
         groups = x.reshape(B, H // 2, 2, W // 2, 2, d).permute(0, 1, 3, 4, 2, 5).reshape(B, H * W // 4, 4 * d)
         return self.reduction(self.norm(groups))
 
-    def extra_repr(self) -> str:
-        return f"resolution={self.resolution}, d_model={self.d_model}"
 
-
-class Swin(ImageModelDoor, Module):
+class Swin(SwinDoor, Module):
     """A small Swin classifier, the twin of tfm_numpy.Swin (same arguments, same keys)."""
 
     def __init__(
@@ -227,6 +218,3 @@ class Swin(ImageModelDoor, Module):
             if i < len(self.merges):
                 x = self.merges[i](x)
         return self.head(self.norm(x).mean(dim=1))
-
-    def attention_weights(self) -> list[torch.Tensor]:
-        return [block.attn.attn_weights for stage in self.stages for block in stage]

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from tfm_common.config import VIT_ARGS, check_patch_embedding, check_vit_config
-from tfm_common.model_doors import ImageModelDoor, PatchEmbeddingDoor
+from tfm_common.model_doors import PatchEmbeddingDoor, ViTDoor
 
 from .encoder_decoder import Encoder
 from .layers import Dropout, Linear
@@ -50,11 +50,8 @@ class PatchEmbedding(PatchEmbeddingDoor, Module):
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.proj(patchify(images, self.patch_size))  # (B, N, d)
 
-    def extra_repr(self) -> str:
-        return f"image_size={self.image_size}, patch_size={self.patch_size}, n_patches={self.n_patches}"
 
-
-class ViT(ImageModelDoor, Module):
+class ViT(ViTDoor, Module):
     """A Vision Transformer classifier, the twin of tfm_numpy.ViT: `model(images)` -> logits (B, n_classes)."""
 
     def __init__(
@@ -97,10 +94,3 @@ class ViT(ImageModelDoor, Module):
         h = self.encoder(self.dropout(self.pos_embed(x)))  # (B, T, d)
         pooled = h[:, 0] if self.pool == "cls" else h.mean(dim=1)  # (B, d)
         return self.head(pooled)  # (B, K)
-
-    def attention_weights(self) -> list[torch.Tensor]:
-        """[(B, H, T, T) per layer] from the last forward (detached)."""
-        return self.encoder.attention_weights()
-
-    def extra_repr(self) -> str:
-        return f"pool={self.pool!r}, n_patches={self.patch_embed.n_patches}"
