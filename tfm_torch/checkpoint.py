@@ -213,8 +213,8 @@ def _adam_to_numpy(optimizer, name: str) -> dict:
         raise ValueError(f"{name}: some parameters have no optimizer state (no gradient yet); cannot export")
 
     def moment(p, key):
-        st = optimizer.state[p]
-        return st[key].detach().cpu().numpy().copy() if key in st else np.zeros(tuple(p.shape), _np_dtype(p))
+        st, dt = optimizer.state[p], (np.float64 if p.dtype == torch.float64 else np.float32)
+        return st[key].detach().cpu().numpy().copy() if key in st else np.zeros(tuple(p.shape), dt)
 
     return {
         "step": steps.pop() if steps else 0,
@@ -248,7 +248,3 @@ def _adam_from_numpy(optimizer, optim: dict, path, name: str) -> dict:
                 "exp_avg_sq": torch.from_numpy(np.array(optim["exp_avg_sq"][i])),
             }
     return sd
-
-
-def _np_dtype(p: torch.Tensor):
-    return {torch.float32: np.float32, torch.float64: np.float64}.get(p.dtype, np.float32)

@@ -76,10 +76,8 @@ class ViT(ViTDoor, Module):
         self.pool, self.d_model = pool, d_model
         self.patch_embed = PatchEmbedding(image_size, patch_size, in_channels, d_model, rng=rng, dtype=dt)
         n_tokens = self.patch_embed.n_patches + (pool == "cls")
-        if pool == "cls":
-            self.cls_token = nn.Parameter(0.02 * torch.randn(1, 1, d_model, generator=rng, dtype=dt))
-        else:
-            self.cls_token = None
+        cls = nn.Parameter(0.02 * torch.randn(1, 1, d_model, generator=rng, dtype=dt)) if pool == "cls" else None
+        self.cls_token = cls
         self.pos_embed = LearnedPositionalEmbedding(n_tokens, d_model, rng=rng, dtype=dt)
         with torch.no_grad():
             self.pos_embed.weight.mul_(0.02)
