@@ -197,3 +197,24 @@ def test_bpe_decode_refuses_a_batch_with_a_clear_message():
     for batch in (np.array([ids]), torch.tensor([ids])):  # what generate() returns: (B, T)
         with pytest.raises(ValueError, match=r"expected one sequence \(1-D\), got shape \(1, \d+\); decode each row"):
             bpe.decode(batch)
+
+
+@pytest.mark.parametrize("track", TRACKS)
+def test_a_gpt_block_called_directly_refuses_what_its_norm_and_attention_refuse(track):
+    lib, A, dt = lib_of(track)
+    block = lib.GPTBlock(D, H, 16, n_kv_heads=1, rng=0, dtype=dt).eval()
+    causal = A(np.tril(np.ones((T, T), dtype=bool)))
+    with pytest.raises(ValueError, match="LayerNorm"):
+        block(A(X[..., :-1]), causal)  # d_model - 1 features
+    with pytest.raises(TypeError, match="mask: expected a boolean"):
+        block(A(X), A(np.ones((T, T))))
+    with pytest.raises(ValueError, match="does not broadcast"):
+        block(A(X), A(np.ones((3, T), dtype=bool)))
+    cache = {}
+    block.forward_step(A(X[:, :1]), cache)
+    with pytest.raises(ValueError, match="LayerNorm"):
+        block.forward_step(A(X[:, 1:2, :-1]), cache)
+    with pytest.raises(ValueError, match="does not broadcast"):
+        block.forward_step(A(X[:, 1:2]), cache, A(np.ones((2, 1, 1, 5), dtype=bool)))  # 5 keys, not 2
+    with pytest.raises(ValueError, match="the cache holds 2 rows, the input has 1"):
+        block.forward_step(A(X[:1, 1:2]), cache)

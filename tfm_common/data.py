@@ -109,15 +109,7 @@ class Vocab:
     @classmethod
     def build(cls, sentences: Iterable, level: str = "char") -> Vocab:
         """The vocabulary of every token in `sentences` (strings, or lists of tokens at word level)."""
-        if level not in LEVELS:
-            raise ValueError(f"Vocab.build: level expected one of {LEVELS}, got {level!r}")
-        seen: set[str] = set()
-        for s in sentences:
-            seen.update(_tokenize(s, level, "Vocab.build"))
-        special = sorted(seen & set(SPECIAL_TOKENS))
-        if special:
-            raise ValueError(f"Vocab.build: the sentences hold the special token {special[0]!r}; special tokens are "
-                             "never read from text (see encode)")  # fmt: skip
+        seen = _check_sentences(sentences, level)  # the set of their tokens, none of them special
         return cls(sorted(seen), level)
 
     def tokenize(self, text) -> list[str]:
@@ -145,14 +137,7 @@ class Vocab:
         `decode(encode(s)) == s` for any s made of known tokens; an unknown token shows as "<unk>".
         strip_special=False: every token, specials included, e.g. "<bos>21<eos><pad>".
         """
-        arr = np.asarray(ids)
-        if arr.ndim != 1:
-            raise ValueError(f"Vocab.decode: ids expected a 1-D sequence, got shape {arr.shape} (see decode_batch)")
-        if arr.size and (arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer)):
-            raise TypeError(f"Vocab.decode: ids expected integers, got dtype {arr.dtype}")
-        bad = (arr < 0) | (arr >= len(self))
-        if bad.any():
-            raise ValueError(f"Vocab.decode: ids must be in [0, {len(self)}), got {arr[bad][0]}")
+        arr = self._check_ids(ids)
         toks = []
         for i in arr.tolist():
             if strip_special:
@@ -162,6 +147,17 @@ class Vocab:
                     continue
             toks.append(self.itos[i])
         return ("" if self.level == "char" else " ").join(toks)
+
+    def _check_ids(self, ids) -> np.ndarray:
+        arr = np.asarray(ids)
+        if arr.ndim != 1:
+            raise ValueError(f"Vocab.decode: ids expected a 1-D sequence, got shape {arr.shape} (see decode_batch)")
+        if arr.size and (arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer)):
+            raise TypeError(f"Vocab.decode: ids expected integers, got dtype {arr.dtype}")
+        bad = (arr < 0) | (arr >= len(self))
+        if bad.any():
+            raise ValueError(f"Vocab.decode: ids must be in [0, {len(self)}), got {arr[bad][0]}")
+        return arr
 
     def decode_batch(self, ids, strip_special: bool = True) -> list[str]:
         """`decode` of each row of a (B, T) array (or list of sequences)."""
@@ -195,6 +191,20 @@ class Vocab:
     def __repr__(self) -> str:
         shown = "".join(self.itos[4:30]) if self.level == "char" else " ".join(self.itos[4:14])
         return f"Vocab(level={self.level!r}, size={len(self)}, tokens={shown!r}{'...' if len(self) > 30 else ''})"
+
+
+def _check_sentences(sentences: Iterable, level: str) -> set[str]:
+    """Vocab.build's tokens: the level checked first, special tokens refused once all sentences are read."""
+    if level not in LEVELS:
+        raise ValueError(f"Vocab.build: level expected one of {LEVELS}, got {level!r}")
+    seen: set[str] = set()
+    for s in sentences:
+        seen.update(_tokenize(s, level, "Vocab.build"))
+    special = sorted(seen & set(SPECIAL_TOKENS))
+    if special:
+        raise ValueError(f"Vocab.build: the sentences hold the special token {special[0]!r}; special tokens are "
+                         "never read from text (see encode)")  # fmt: skip
+    return seen
 
 
 def _tokenize(text, level: str, name: str) -> list[str]:
@@ -284,6 +294,15 @@ def number_splits(
     splits. Deterministic given `seed` (an int or a Generator); each array is in the drawn (random) order.
     """
     name = "number_splits"
+    max_number, min_number, sizes = _check_splits(max_number, min_number, n_train, n_valid, n_test)
+    available = max_number - min_number + 1
+    perm = _rng(seed, name).permutation(available)[: sum(sizes)].astype(np.int64) + min_number
+    a, b = sizes[0], sizes[0] + sizes[1]
+    return perm[:a], perm[a:b], perm[b:]
+
+
+def _check_splits(max_number, min_number, n_train, n_valid, n_test) -> tuple[int, int, list[int]]:
+    name = "number_splits"
     max_number = check_size(name, "max_number", max_number, 0, say_int=False)
     min_number = check_size(name, "min_number", min_number, 0, say_int=False)
     if min_number > max_number:
@@ -298,9 +317,7 @@ def number_splits(
             f"{name}: n_train + n_valid + n_test = {sum(sizes)} exceeds the {available} numbers "
             f"in [{min_number}, {max_number}]"
         )
-    perm = _rng(seed, name).permutation(available)[: sum(sizes)].astype(np.int64) + min_number
-    a, b = sizes[0], sizes[0] + sizes[1]
-    return perm[:a], perm[a:b], perm[b:]
+    return max_number, min_number, sizes
 
 
 def encode_pairs(pairs, src_vocab: Vocab, tgt_vocab: Vocab) -> list[tuple[list[int], list[int]]]:
@@ -394,18 +411,7 @@ def _pad(seqs: Sequence[np.ndarray], pad_id: int) -> np.ndarray:
     return out
 
 
-def make_batches(
-    pairs_ids, batch_size: int, rng=None, shuffle: bool = True, sort_by_length: bool = True
-) -> list[Batch]:
-    """Pairs of id sequences -> a list of padded `Batch`es of at most `batch_size` pairs.
-
-    pairs_ids: [(src_ids, tgt_ids)] as from `encode_pairs`: src_ids non-empty, without PAD; tgt_ids without
-    PAD, BOS or EOS (added here: tgt_in = [BOS] + tgt, tgt_out = tgt + [EOS]).
-    sort_by_length: pairs of similar (source, target) length share a batch, so little padding is needed.
-    shuffle: the pairs (ties between equal lengths included) and the order of the batches are drawn from `rng`
-    (a numpy Generator or an int seed; None = seed 0). Pass the same Generator every epoch for a new,
-    reproducible order each epoch. With shuffle=False the order is deterministic without any rng.
-    """
+def _check_pairs(pairs_ids, batch_size) -> tuple[int, list[np.ndarray], list[np.ndarray]]:
     name = "make_batches"
     batch_size = check_size(name, "batch_size", batch_size, 1, say_int=False)
     pairs = list(pairs_ids)
@@ -422,8 +428,25 @@ def make_batches(
         tgts.append(_as_ids(name, pair[1], "tgt", i))
     _check_ids(name, "src", srcs, (PAD_ID,))
     _check_ids(name, "tgt", tgts, (PAD_ID, BOS_ID, EOS_ID))
+    return batch_size, srcs, tgts
+
+
+def make_batches(
+    pairs_ids, batch_size: int, rng=None, shuffle: bool = True, sort_by_length: bool = True
+) -> list[Batch]:
+    """Pairs of id sequences -> a list of padded `Batch`es of at most `batch_size` pairs.
+
+    pairs_ids: [(src_ids, tgt_ids)] as from `encode_pairs`: src_ids non-empty, without PAD; tgt_ids without
+    PAD, BOS or EOS (added here: tgt_in = [BOS] + tgt, tgt_out = tgt + [EOS]).
+    sort_by_length: pairs of similar (source, target) length share a batch, so little padding is needed.
+    shuffle: the pairs (ties between equal lengths included) and the order of the batches are drawn from `rng`
+    (a numpy Generator or an int seed; None = seed 0). Pass the same Generator every epoch for a new,
+    reproducible order each epoch. With shuffle=False the order is deterministic without any rng.
+    """
+    name = "make_batches"
+    batch_size, srcs, tgts = _check_pairs(pairs_ids, batch_size)  # id arrays, one per pair
     g = _rng(rng, name) if shuffle else None
-    order = g.permutation(len(pairs)) if shuffle else np.arange(len(pairs))
+    order = g.permutation(len(srcs)) if shuffle else np.arange(len(srcs))
     if sort_by_length:
         src_len = np.array([len(srcs[i]) for i in order])
         tgt_len = np.array([len(tgts[i]) for i in order])

@@ -264,7 +264,8 @@ def read_npz(path, name: str) -> NpzContents:
     model = {k[len("model/") :]: a for k, a in arrays.items() if k.startswith("model/")}
     optim = None
     if meta.get("optim") is not None:
-        n = check_optim_meta(meta["optim"], _count_optim(arrays), f"{name}: {path!r}")
+        present = {part: sum(k.startswith(f"optim/{part}/") for k in arrays) for part in ("exp_avg", "exp_avg_sq")}
+        n = check_optim_meta(meta["optim"], present, f"{name}: {path!r}")
         optim = (
             {k: meta["optim"][k] for k in OPTIM_SCALARS}
             | {"type": meta["optim"].get("type", "Adam")}
@@ -313,10 +314,7 @@ def check_meta_fields(meta: dict, where: str) -> None:
         raise ValueError(f"{where}: model_keys must be a list of strings, got {type(keys).__name__}")
     if not isinstance(meta.get("extra") or {}, dict):
         raise ValueError(f"{where}: extra must be a dict, got {type(meta.get('extra')).__name__}")
-    check_model_meta(meta.get("model"), where)
-
-
-def check_model_meta(m, where: str) -> None:
+    m = meta.get("model")
     if m is None:
         return
     if not isinstance(m, dict) or set(m) != {"class", "config", "dtype"}:
@@ -327,10 +325,6 @@ def check_model_meta(m, where: str) -> None:
         raise ValueError(f"{where}: model config must be a dict of options, got {m['config']!r:.200}")
     if m["dtype"] not in DTYPES:
         raise ValueError(f"{where}: model dtype must be one of {DTYPES}, got {m['dtype']!r:.50}")
-
-
-def _count_optim(arrays: dict) -> dict[str, int]:
-    return {part: sum(k.startswith(f"optim/{part}/") for k in arrays) for part in ("exp_avg", "exp_avg_sq")}
 
 
 def _real(x, low: float, high: float | None = None, high_open: bool = False) -> bool:

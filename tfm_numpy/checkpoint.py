@@ -1,14 +1,8 @@
-"""Checkpoints, NumPy track: the model's weights, Adam's state and a small `extra` dict in one `.npz` file.
+"""Checkpoints, NumPy track: the model's weights, Adam's state and a small `extra` dict in one `.npz` file (the
+format is in `tfm_common.npz_checkpoint`), read with `allow_pickle=False`: opening a checkpoint never runs code.
 
-The file is a plain NumPy archive (the format is in `tfm_common.npz_checkpoint`): an array "model/<key>" per
-entry of `model.state_dict()`, the optimizer's moments under "optim/...", and the scalars (step, lr, ...)
-with `extra` as a JSON string. It is read with `np.load(..., allow_pickle=False)`: opening a checkpoint can
-never run code.
-
-Across tracks: the NumPy track never imports torch, so it cannot read a `torch.save` file (a pickle). The
-torch track does the conversion both ways: `tfm_torch.export_npz(path, model, optimizer)` writes this very
-format from a torch model, and `tfm_torch.load_checkpoint` reads it into a torch model. One set of weights
-therefore moves NumPy -> torch and torch -> NumPy, bit for bit.
+The NumPy track never imports torch, so it cannot read a `torch.save` file (a pickle): `tfm_torch.export_npz` writes
+this format from a torch model and `tfm_torch.load_checkpoint` reads it, so weights move both ways bit for bit.
 """
 
 from __future__ import annotations
@@ -39,12 +33,7 @@ __all__ = ["save_checkpoint", "load_checkpoint", "load_model", "tied_groups"]
 def save_checkpoint(path, model: Module, optimizer: Adam | None = None, extra: dict | None = None) -> Path:
     """Write `model`'s state dict (and `optimizer`'s state, and `extra`: a JSON-able dict such as the epoch
     or the loss history) to `path`, atomically (a temporary file renamed over `path`). Returns the path."""
-    if not isinstance(model, Module):
-        raise TypeError(f"save_checkpoint: model expected a tfm_numpy Module, got {type(model).__name__}")
-    if optimizer is not None and not isinstance(optimizer, Adam):
-        raise TypeError(
-            f"save_checkpoint: optimizer expected a tfm_numpy Adam, AdamW or None, got {type(optimizer).__name__}"
-        )
+    _check_args("save_checkpoint", model, optimizer)
     optim = optimizer.state_dict() | {"type": _optim_type(optimizer)} if optimizer is not None else None
     meta = describe_model(model, str(model.param_dtype))
     return write_npz(path, model.state_dict(), optim, extra, track="numpy", name="save_checkpoint", model_meta=meta)
@@ -60,12 +49,15 @@ def load_checkpoint(path, model: Module, optimizer: Adam | None = None) -> dict:
     float32 model); the same dtype round-trips bit for bit. A version-1 file (no configuration recorded) loads
     into the model you built: its configuration is yours to get right.
     """
-    name = "load_checkpoint"
+    _check_args("load_checkpoint", model, optimizer)
+    return _load_into(read_npz(path, "load_checkpoint"), model, optimizer, path, "load_checkpoint")
+
+
+def _check_args(name: str, model, optimizer) -> None:
     if not isinstance(model, Module):
         raise TypeError(f"{name}: model expected a tfm_numpy Module, got {type(model).__name__}")
     if optimizer is not None and not isinstance(optimizer, Adam):
         raise TypeError(f"{name}: optimizer expected a tfm_numpy Adam, AdamW or None, got {type(optimizer).__name__}")
-    return _load_into(read_npz(path, name), model, optimizer, path, name)
 
 
 def load_model(path, dtype=None) -> Module:

@@ -12,7 +12,8 @@ import math
 import numpy as np
 
 from tfm_common.config import GPT_ARGS, check_gpt_config
-from tfm_common.sampling import check_generate, check_token_window, sample_next
+from tfm_common.model_doors import GPTBlockDoor, GPTDoor
+from tfm_common.sampling import sample_next
 from tfm_common.training import eval_mode
 
 from .attention import check_attention, use_attention
@@ -31,7 +32,7 @@ def make_norm(norm: str, d_model: int, dtype) -> Module:
     return LayerNorm(d_model, dtype=dtype) if norm == "layernorm" else RMSNorm(d_model, dtype=dtype)
 
 
-class GPTBlock(Module):
+class GPTBlock(GPTBlockDoor, Module):
     """A Pre-LN decoder block without cross-attention:
 
         x = x + dropout1(self_attn(norm1(x), causal mask))
@@ -85,7 +86,7 @@ class GPTBlock(Module):
         return x + self.dropout2(self.ff(self.norm2(x)))
 
 
-class GPT(Module):
+class GPT(GPTDoor, Module):
     """A decoder-only Transformer (Radford et al., 2018, 2019): token embedding (+ positions), n_layers GPTBlocks
     under a causal mask, a final norm, and an output projection (tied to the embedding by default).
 
@@ -109,6 +110,8 @@ class GPT(Module):
     `forward_step(tokens, cache)` runs new tokens only, reading earlier keys and values from `cache`;
     `generate(...)` samples with it.
     """
+
+    _check_ids = staticmethod(check_indices)  # see tfm_common.model_doors
 
     def __init__(
         self,
@@ -222,28 +225,3 @@ class GPT(Module):
                 out = np.concatenate([out, nxt[:, None]], axis=1)
         self._cache = None
         return out
-
-    # -- checks at the door: a call from outside (the model's own calls trust it) -----------------------------------
-    def _check_forward(self, tokens) -> None:
-        self._check_tokens(tokens, 0)
-
-    def _check_forward_step(self, tokens, cache: dict) -> None:
-        self._check_tokens(tokens, cache.get("length", 0))
-
-    def _check_generate(self, tokens, max_new_tokens, temperature, top_k, rng):
-        """(max_new_tokens, temperature, top_k, a numpy Generator), checked with the prompt."""
-        T0 = self._check_tokens(tokens, 0)
-        return check_generate("GPT.generate", T0, max_new_tokens, temperature, top_k, rng, self.vocab_size,
-                              self.max_len)  # fmt: skip
-
-    def _check_tokens(self, tokens, offset: int) -> int:
-        check_indices("GPT: tokens", tokens, self.vocab_size)
-        return check_token_window("GPT", tokens.shape, offset, self.max_len)
-
-    def attention_weights(self) -> list[np.ndarray]:
-        """[(B, H, T, T) per layer]: the last forward's self-attention weights."""
-        return [layer.self_attn.attn_weights for layer in self.layers]
-
-    def extra_repr(self) -> str:
-        c = self.config
-        return ", ".join(f"{k}={c[k]!r}" for k in ("norm", "positional", "activation", "n_kv_heads", "tie_output"))

@@ -19,6 +19,7 @@ import math
 import numpy as np
 
 from tfm_common.config import SWIN_ARGS, check_swin_config, check_window_grid, swin_shift
+from tfm_common.model_doors import PatchMergingDoor, SwinBlockDoor, SwinDoor, WindowAttentionDoor
 from tfm_common.validate import check_size
 
 from .layers import Dropout, LayerNorm, Linear
@@ -81,7 +82,7 @@ def relative_position_index(window_size: int) -> np.ndarray:
     return (dy + M - 1) * (2 * M - 1) + (dx + M - 1)
 
 
-class WindowAttention(Module):
+class WindowAttention(WindowAttentionDoor, Module):
     """Multi-head self-attention inside each window, with a learned relative position bias:
 
         A = softmax(Q K^T / sqrt(dk) + B[index] + mask),   B = relative_position_bias_table ((2M-1)^2, heads)
@@ -90,6 +91,9 @@ class WindowAttention(Module):
     Projections named as in MultiHeadAttention (`q_proj`, `k_proj`, `v_proj`, `out_proj`). The bias table
     starts N(0, 0.02^2). A masked pair gets weight exactly 0 (score -inf), as the library's attention does.
     """
+
+    _mask_kind = (np.ndarray, np.bool_, "array")  # see tfm_common.model_doors
+    _check_float = staticmethod(check_input)
 
     def __init__(self, d_model: int, n_heads: int, window_size: int, dropout: float = 0.0, *, rng=None,
                  dtype=np.float32):  # fmt: skip
@@ -149,23 +153,6 @@ class WindowAttention(Module):
         dx += self.v_proj.backward(self._merge(dv))  # x fed queries, keys and values: the gradients add
         return dx
 
-    def _check_forward(self, x, mask=None) -> None:
-        """x (B nW, M M, d_model); mask None or a bool (nW, M M, M M) whose nW divides B nW."""
-        N = self.window_size**2
-        check_input("WindowAttention", x, ndim_min=3, last_dim=self.d_model, dtype=self.q_proj.weight.dtype)
-        if x.ndim != 3 or x.shape[1] != N:
-            raise ValueError(f"WindowAttention: x expected shape (B nW, {N}, {self.d_model}), got {x.shape}")
-        if mask is None:
-            return
-        if not isinstance(mask, np.ndarray) or mask.dtype != np.bool_ or mask.ndim != 3 or mask.shape[1:] != (N, N):
-            got = f"{mask.dtype} {mask.shape}" if isinstance(mask, np.ndarray) else type(mask).__name__
-            raise ValueError(f"WindowAttention: mask expected a bool array (nW, {N}, {N}), got {got}")
-        if x.shape[0] % mask.shape[0]:
-            raise ValueError(f"WindowAttention: {x.shape[0]} windows is not a multiple of the mask's {mask.shape[0]}")
-
-    def extra_repr(self) -> str:
-        return f"d_model={self.d_model}, n_heads={self.n_heads}, window_size={self.window_size}"
-
 
 def _window_mask(mask, n_windows_total: int):
     """(nW, N, N) bool -> (B nW, 1, N, N): window w of every image gets mask[w] (windows are image-major)."""
@@ -183,7 +170,7 @@ def _masked_softmax(scores: np.ndarray, keep) -> np.ndarray:
     return e / e.sum(axis=-1, keepdims=True)
 
 
-class SwinBlock(Module):
+class SwinBlock(SwinBlockDoor, Module):
     """One Swin Transformer block, Pre-LN, on a `resolution` = (H, W) grid of tokens x (B, H W, d):
 
         x = x + dropout(reverse(WindowAttention(partition(shift(norm1(x))), mask)))   (then unshift)
@@ -192,6 +179,8 @@ class SwinBlock(Module):
     shift = 0: regular windows (W-MSA); shift = M // 2 in every other block: shifted windows (SW-MSA), so that
     information crosses the window borders of the block before. The mask is built once, at construction.
     """
+
+    _check_float = staticmethod(check_input)  # see tfm_common.model_doors
 
     def __init__(self, d_model: int, n_heads: int, d_ff: int, resolution: tuple[int, int], window_size: int,
                  shift: int = 0, dropout: float = 0.0, *, rng=None, dtype=np.float32):  # fmt: skip
@@ -231,23 +220,15 @@ class SwinBlock(Module):
         dx = grad_out + self.norm2.backward(self.ff.backward(self.dropout2.backward(grad_out)))
         return dx + self.norm1.backward(self._attend_backward(self.dropout1.backward(dx)))
 
-    def _check_forward(self, x) -> None:
-        """x (B, H W, d_model), the block's grid of tokens."""
-        (H, W), d = self.resolution, self.d_model
-        check_input("SwinBlock", x, ndim_min=3, last_dim=d, dtype=self.norm1.weight.dtype)
-        if x.ndim != 3 or x.shape[1] != H * W:
-            raise ValueError(f"SwinBlock: x expected shape (B, {H * W}, {d}), got {x.shape}")
 
-    def extra_repr(self) -> str:
-        return f"resolution={self.resolution}, window_size={self.window_size}, shift={self.shift}"
-
-
-class PatchMerging(Module):
+class PatchMerging(PatchMergingDoor, Module):
     """Halve the grid, double the width: each 2x2 group of tokens concatenated (4d), normalized, mapped to 2d.
 
     x (B, H W, d) -> (B, H/2 W/2, 2d). The concatenation order is Swin's: (even row, even col), (odd, even),
     (even, odd), (odd, odd). Submodules `norm` (LayerNorm(4d)) and `reduction` (Linear(4d, 2d), no bias).
     """
+
+    _check_float = staticmethod(check_input)  # see tfm_common.model_doors
 
     def __init__(self, resolution: tuple[int, int], d_model: int, *, rng=None, dtype=np.float32):
         super().__init__()
@@ -273,17 +254,8 @@ class PatchMerging(Module):
         d_groups = self.norm.backward(self.reduction.backward(grad_out))  # (B, H W / 4, 4d)
         return d_groups.reshape(B, H // 2, W // 2, 2, 2, d).transpose(0, 1, 4, 2, 3, 5).reshape(shape)
 
-    def _check_forward(self, x) -> None:
-        (H, W), d = self.resolution, self.d_model
-        check_input("PatchMerging", x, ndim_min=3, last_dim=d, dtype=self.norm.weight.dtype)
-        if x.ndim != 3 or x.shape[1] != H * W:
-            raise ValueError(f"PatchMerging: x expected shape (B, {H * W}, {d}), got {x.shape}")
 
-    def extra_repr(self) -> str:
-        return f"resolution={self.resolution}, d_model={self.d_model}"
-
-
-class Swin(Module):
+class Swin(SwinDoor, Module):
     """A small Swin classifier: patches -> stages of SwinBlocks (shift 0, M/2, 0, M/2, ...) with PatchMerging
     between stages -> LayerNorm -> mean over tokens -> Linear. No absolute positions: the relative position
     bias of every window attention carries where tokens are.
@@ -348,10 +320,3 @@ class Swin(Module):
         for block in reversed(list(self._blocks())):
             dx = block.backward(dx)
         return self.patch_embed.backward(self.dropout.backward(dx))  # (B, C, H, W)
-
-    def _check_forward(self, images) -> None:
-        self.patch_embed._check_forward(images)
-
-    def attention_weights(self) -> list[np.ndarray]:
-        """[(B nW, heads, M M, M M) per block] from the last forward."""
-        return [block.attn.attn_weights for stage in self.stages for block in stage]

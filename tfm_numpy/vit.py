@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from tfm_common.config import VIT_ARGS, check_patch_embedding, check_vit_config
+from tfm_common.model_doors import PatchEmbeddingDoor, ViTDoor
 
 from .encoder_decoder import Encoder
 from .layers import Dropout, Linear
@@ -40,12 +41,14 @@ def unpatchify(patches: np.ndarray, patch_size: int, channels: int, height: int,
     return x.reshape(B, channels, height, width)
 
 
-class PatchEmbedding(Module):
+class PatchEmbedding(PatchEmbeddingDoor, Module):
     """Cut (B, C, H, W) images into non-overlapping p x p patches and map each to d_model: (B, N, d_model).
 
     A reshape and one Linear `proj` (weight (d_model, C p p)); equal to `Conv2d(C, d_model, p, stride=p)` whose
     weight is `proj.weight.reshape(d_model, C, p, p)`. Backward: the Linear's, then the inverse reshape.
     """
+
+    _check_float = staticmethod(check_input)  # see tfm_common.model_doors
 
     def __init__(self, image_size: int, patch_size: int, in_channels: int, d_model: int, *, rng=None,
                  dtype=np.float32):  # fmt: skip
@@ -64,18 +67,8 @@ class PatchEmbedding(Module):
         B, C, H, W = self._saved()
         return unpatchify(self.proj.backward(grad_out), self.patch_size, C, H, W)  # (B, C, H, W)
 
-    def _check_forward(self, images) -> None:
-        """At the door (and at the door of ViT and Swin, which hand their images straight here)."""
-        check_input("PatchEmbedding", images, ndim_min=4, dtype=self.proj.weight.dtype)
-        C, S = self.in_channels, self.image_size
-        if images.ndim != 4 or tuple(images.shape[1:]) != (C, S, S):
-            raise ValueError(f"PatchEmbedding: images expected shape (B, {C}, {S}, {S}), got {tuple(images.shape)}")
 
-    def extra_repr(self) -> str:
-        return f"image_size={self.image_size}, patch_size={self.patch_size}, n_patches={self.n_patches}"
-
-
-class ViT(Module):
+class ViT(ViTDoor, Module):
     """A Vision Transformer classifier. `model(images (B, C, H, W))` -> logits (B, n_classes);
     `model.backward(dlogits)` fills every parameter's `.grad` and returns dL/dimages.
 
@@ -137,13 +130,3 @@ class ViT(Module):
             self.cls_token.grad += dx[:, :1].sum(axis=0, keepdims=True)  # one token shared by every image
             dx = dx[:, 1:]
         return self.patch_embed.backward(np.ascontiguousarray(dx))  # (B, C, H, W)
-
-    def _check_forward(self, images) -> None:
-        self.patch_embed._check_forward(images)
-
-    def attention_weights(self) -> list[np.ndarray]:
-        """[(B, H, T, T) per layer] from the last forward; with pool="cls", token 0 is the class token."""
-        return self.encoder.attention_weights()
-
-    def extra_repr(self) -> str:
-        return f"pool={self.pool!r}, n_patches={self.patch_embed.n_patches}"

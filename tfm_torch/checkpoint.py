@@ -1,18 +1,11 @@
-"""Checkpoints, PyTorch track: the same function names as tfm_numpy.checkpoint, plus the bridge between tracks.
+"""Checkpoints, PyTorch track: the functions of tfm_numpy.checkpoint, plus the bridge between the tracks.
 
-- `save_checkpoint(path, model, optimizer, extra)` writes `{"format", "version", "model": state_dict,
-  "optim": optimizer.state_dict(), "extra": ...}` with `torch.save`; `load_checkpoint` reads it with
-  `torch.load(..., weights_only=True)`, which unpickles only tensors and plain containers, never code.
-- Across tracks: `export_npz(path, model, optimizer)` writes the NumPy track's `.npz` format (see
-  `tfm_common.npz_checkpoint`) from a torch model, for `tfm_numpy.load_checkpoint`; and `load_checkpoint`
-  also reads an `.npz` written by `tfm_numpy.save_checkpoint` (with numpy, `allow_pickle=False`). The file's
-  content decides, not its suffix. The design keeps every conversion on the torch side: the NumPy track
-  never imports torch and never unpickles.
-
-Optimizer state crosses tracks too, for `Adam` or `AdamW` with one param group (ours or torch.optim's, amsgrad
-off; the file says which of the two, and one never loads into the other): the moments are matched by position
-in the optimizer's parameter list, which is the model's `parameters()` order when the optimizer comes from
-`make_adam` / `make_adamw` in either track.
+`save_checkpoint` writes a `torch.save` file (format, version, model meta, state dicts, `extra`), read back with
+`torch.load(..., weights_only=True)` (tensors and plain containers, never code). `export_npz` writes the NumPy
+track's `.npz` (`tfm_common.npz_checkpoint`) from a torch model, and `load_checkpoint` reads either format (the
+file's content decides, not its suffix): every conversion lives here, so the NumPy track never imports torch.
+Adam's or AdamW's state crosses too (one param group, amsgrad off; one never loads into the other), the moments
+matched by position in the optimizer's parameter list (the model's `parameters()` order with make_adam(w)).
 """
 
 from __future__ import annotations
@@ -58,8 +51,7 @@ def _check_args(name: str, model, optimizer) -> None:
 
 
 def save_checkpoint(path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, extra=None) -> Path:
-    """Write the model's state dict (and the optimizer's, and `extra`: a JSON-able dict) with `torch.save`,
-    atomically (a temporary file renamed over `path`). Returns the path."""
+    """As tfm_numpy.save_checkpoint, with `torch.save`. Returns the path."""
     name = "save_checkpoint"
     _check_args(name, model, optimizer)
     ckpt = {
@@ -76,25 +68,15 @@ def save_checkpoint(path, model: nn.Module, optimizer: torch.optim.Optimizer | N
 
 
 def load_checkpoint(path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
-    """Load a checkpoint of either track into `model` (and `optimizer`); return its `extra` dict.
-
-    A torch file is read with `weights_only=True`; an `.npz` (from `tfm_numpy.save_checkpoint` or `export_npz`)
-    with numpy, `allow_pickle=False`. Everything is checked before anything changes: a model of another class or
-    configuration (the file records it) raises ValueError naming the options that differ; a missing or unexpected
-    key KeyError naming it; a shape mismatch ValueError naming the key and both shapes; two names of one tied
-    weight holding different values ValueError; a damaged file ValueError. Values are cast to the model's dtype;
-    the same dtype round-trips bit for bit. A version-1 file (no configuration recorded) loads into the model you
-    built: its configuration is yours to get right.
-    """
+    """Load a checkpoint of either track into `model` (and `optimizer`); return its `extra` dict. Checked as
+    tfm_numpy.load_checkpoint's, before anything changes; a torch file is read with `weights_only=True`."""
     name = "load_checkpoint"
     _check_args(name, model, optimizer)
     return _load_into(_read_any(path, name), model, optimizer, path, name)
 
 
 def load_model(path, dtype: torch.dtype | None = None) -> nn.Module:
-    """A new model built from the configuration recorded in the checkpoint (either track's format), with its
-    weights. `dtype` (torch.float32 or torch.float64) overrides the recorded one. For the optimizer state and
-    `extra`, call `load_checkpoint(path, model, optimizer)` on the result."""
+    """As tfm_numpy.load_model, from either track's file; `dtype` torch.float32 or torch.float64."""
     name = "load_model"
     contents = _read_any(path, name)
     model = build_model(contents[3], Module, "tfm_torch", dtype, functools.partial(getattr, torch), path, name)
@@ -231,8 +213,8 @@ def _adam_to_numpy(optimizer, name: str) -> dict:
         raise ValueError(f"{name}: some parameters have no optimizer state (no gradient yet); cannot export")
 
     def moment(p, key):
-        st = optimizer.state[p]
-        return st[key].detach().cpu().numpy().copy() if key in st else np.zeros(tuple(p.shape), _np_dtype(p))
+        st, dt = optimizer.state[p], (np.float64 if p.dtype == torch.float64 else np.float32)
+        return st[key].detach().cpu().numpy().copy() if key in st else np.zeros(tuple(p.shape), dt)
 
     return {
         "step": steps.pop() if steps else 0,
@@ -266,7 +248,3 @@ def _adam_from_numpy(optimizer, optim: dict, path, name: str) -> dict:
                 "exp_avg_sq": torch.from_numpy(np.array(optim["exp_avg_sq"][i])),
             }
     return sd
-
-
-def _np_dtype(p: torch.Tensor):
-    return {torch.float32: np.float32, torch.float64: np.float64}.get(p.dtype, np.float32)

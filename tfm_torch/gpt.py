@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from tfm_common.config import GPT_ARGS, check_gpt_config
-from tfm_common.sampling import check_generate, check_token_window, sample_next
+from tfm_common.model_doors import GPTBlockDoor, GPTDoor
+from tfm_common.sampling import sample_next
 from tfm_common.training import eval_mode
 
 from .attention import check_attention, use_attention
@@ -28,7 +29,7 @@ def make_norm(norm: str, d_model: int, dtype) -> nn.Module:
     return LayerNorm(d_model, dtype=dtype) if norm == "layernorm" else RMSNorm(d_model, dtype=dtype)
 
 
-class GPTBlock(Module):
+class GPTBlock(GPTBlockDoor, Module):
     """x = x + dropout1(self_attn(norm1(x))); x = x + dropout2(ff(norm2(x))) (twin of tfm_numpy's)."""
 
     def __init__(
@@ -66,9 +67,11 @@ class GPTBlock(Module):
         return x + self.dropout2(self.ff(self.norm2(x)))
 
 
-class GPT(Module):
+class GPT(GPTDoor, Module):
     """The decoder-only Transformer, twin of tfm_numpy.GPT (see its docstring for the options and initialization).
     `model(tokens)` (B, T) -> logits (B, T, vocab_size). A tied weight is one nn.Parameter under two names."""
+
+    _check_ids = staticmethod(check_indices)  # see tfm_common.model_doors
 
     def __init__(
         self,
@@ -160,27 +163,3 @@ class GPT(Module):
                 nxt = sample_next(logits.double().cpu().numpy(), temperature, top_k, rng)
                 out = torch.cat([out, torch.from_numpy(nxt).to(out.device)[:, None]], dim=1)
         return out
-
-    # -- checks at the door (as tfm_numpy's) -------------------------------------------------------------------------
-    def _check_forward(self, tokens) -> None:
-        self._check_tokens(tokens, 0)
-
-    def _check_forward_step(self, tokens, cache: dict) -> None:
-        self._check_tokens(tokens, cache.get("length", 0))
-
-    def _check_generate(self, tokens, max_new_tokens, temperature, top_k, rng):
-        T0 = self._check_tokens(tokens, 0)
-        return check_generate("GPT.generate", T0, max_new_tokens, temperature, top_k, rng, self.vocab_size,
-                              self.max_len)  # fmt: skip
-
-    def _check_tokens(self, tokens, offset: int) -> int:
-        check_indices("GPT: tokens", tokens, self.vocab_size)
-        return check_token_window("GPT", tuple(tokens.shape), offset, self.max_len)
-
-    def attention_weights(self) -> list[torch.Tensor]:
-        """[(B, H, T, T) per layer]: the last forward's self-attention weights (detached)."""
-        return [layer.self_attn.attn_weights for layer in self.layers]
-
-    def extra_repr(self) -> str:
-        c = self.config
-        return ", ".join(f"{k}={c[k]!r}" for k in ("norm", "positional", "activation", "n_kv_heads", "tie_output"))

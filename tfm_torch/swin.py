@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from tfm_common.config import SWIN_ARGS, check_swin_config, check_window_grid, swin_shift
+from tfm_common.model_doors import PatchMergingDoor, SwinBlockDoor, SwinDoor, WindowAttentionDoor
 from tfm_common.validate import check_size
 
 from .layers import Dropout, LayerNorm, Linear
@@ -62,8 +63,11 @@ def relative_position_index(window_size: int) -> torch.Tensor:
     return (dy + M - 1) * (2 * M - 1) + (dx + M - 1)
 
 
-class WindowAttention(Module):
+class WindowAttention(WindowAttentionDoor, Module):
     """Multi-head self-attention inside each window with a relative position bias (twin of tfm_numpy's)."""
+
+    _mask_kind = (torch.Tensor, torch.bool, "tensor")  # see tfm_common.model_doors
+    _check_float = staticmethod(check_input)
 
     def __init__(self, d_model: int, n_heads: int, window_size: int, dropout: float = 0.0, *, rng=None, dtype=None):
         super().__init__()
@@ -106,24 +110,6 @@ class WindowAttention(Module):
         self.attn_weights = p.detach()
         return self.out_proj(self._merge(self.dropout(p) @ v))
 
-    def _check_forward(self, x, mask=None) -> None:
-        """x (B nW, M M, d_model); mask None or a bool (nW, M M, M M) whose nW divides B nW."""
-        N = self.window_size**2
-        check_input("WindowAttention", x, ndim_min=3, last_dim=self.d_model, dtype=self.q_proj.weight.dtype)
-        if x.dim() != 3 or x.shape[1] != N:
-            raise ValueError(f"WindowAttention: x expected shape (B nW, {N}, {self.d_model}), got {tuple(x.shape)}")
-        if mask is None:
-            return
-        is_bool = isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.dim() == 3
-        if not is_bool or mask.shape[1:] != (N, N):
-            got = f"{mask.dtype} {tuple(mask.shape)}" if isinstance(mask, torch.Tensor) else type(mask).__name__
-            raise ValueError(f"WindowAttention: mask expected a bool tensor (nW, {N}, {N}), got {got}")
-        if x.shape[0] % mask.shape[0]:
-            raise ValueError(f"WindowAttention: {x.shape[0]} windows is not a multiple of the mask's {mask.shape[0]}")
-
-    def extra_repr(self) -> str:
-        return f"d_model={self.d_model}, n_heads={self.n_heads}, window_size={self.window_size}"
-
 
 def _window_mask(mask, n_windows_total: int):
     """(nW, N, N) bool -> (B nW, 1, N, N): window w of every image gets mask[w] (windows are image-major)."""
@@ -132,8 +118,10 @@ def _window_mask(mask, n_windows_total: int):
     return mask.repeat(n_windows_total // mask.shape[0], 1, 1)[:, None]
 
 
-class SwinBlock(Module):
+class SwinBlock(SwinBlockDoor, Module):
     """One Pre-LN Swin block on an (H, W) grid of tokens (B, H W, d), regular (shift 0) or shifted windows."""
+
+    _check_float = staticmethod(check_input)  # see tfm_common.model_doors
 
     def __init__(self, d_model: int, n_heads: int, d_ff: int, resolution: tuple[int, int], window_size: int,
                  shift: int = 0, dropout: float = 0.0, *, rng=None, dtype=None):  # fmt: skip
@@ -162,18 +150,11 @@ class SwinBlock(Module):
         out = self.attn(window_partition(grid, M), self.mask)
         return cyclic_shift(window_reverse(out, M, H, W), -self.shift).reshape(B, H * W, -1)
 
-    def _check_forward(self, x) -> None:
-        (H, W), d = self.resolution, self.d_model
-        check_input("SwinBlock", x, ndim_min=3, last_dim=d, dtype=self.norm1.weight.dtype)
-        if x.dim() != 3 or x.shape[1] != H * W:
-            raise ValueError(f"SwinBlock: x expected shape (B, {H * W}, {d}), got {tuple(x.shape)}")
 
-    def extra_repr(self) -> str:
-        return f"resolution={self.resolution}, window_size={self.window_size}, shift={self.shift}"
-
-
-class PatchMerging(Module):
+class PatchMerging(PatchMergingDoor, Module):
     """(B, H W, d) -> (B, H/2 W/2, 2d): 2x2 groups concatenated, LayerNorm(4d), Linear(4d, 2d, bias=False)."""
+
+    _check_float = staticmethod(check_input)  # see tfm_common.model_doors
 
     def __init__(self, resolution: tuple[int, int], d_model: int, *, rng=None, dtype=None):
         super().__init__()
@@ -191,17 +172,8 @@ class PatchMerging(Module):
         groups = x.reshape(B, H // 2, 2, W // 2, 2, d).permute(0, 1, 3, 4, 2, 5).reshape(B, H * W // 4, 4 * d)
         return self.reduction(self.norm(groups))
 
-    def _check_forward(self, x) -> None:
-        (H, W), d = self.resolution, self.d_model
-        check_input("PatchMerging", x, ndim_min=3, last_dim=d, dtype=self.norm.weight.dtype)
-        if x.dim() != 3 or x.shape[1] != H * W:
-            raise ValueError(f"PatchMerging: x expected shape (B, {H * W}, {d}), got {tuple(x.shape)}")
 
-    def extra_repr(self) -> str:
-        return f"resolution={self.resolution}, d_model={self.d_model}"
-
-
-class Swin(Module):
+class Swin(SwinDoor, Module):
     """A small Swin classifier, the twin of tfm_numpy.Swin (same arguments, same keys)."""
 
     def __init__(
@@ -246,9 +218,3 @@ class Swin(Module):
             if i < len(self.merges):
                 x = self.merges[i](x)
         return self.head(self.norm(x).mean(dim=1))
-
-    def _check_forward(self, images) -> None:
-        self.patch_embed._check_forward(images)
-
-    def attention_weights(self) -> list[torch.Tensor]:
-        return [block.attn.attn_weights for stage in self.stages for block in stage]

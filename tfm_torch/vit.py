@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from tfm_common.config import VIT_ARGS, check_patch_embedding, check_vit_config
+from tfm_common.model_doors import PatchEmbeddingDoor, ViTDoor
 
 from .encoder_decoder import Encoder
 from .layers import Dropout, Linear
@@ -32,8 +33,10 @@ def unpatchify(patches: torch.Tensor, patch_size: int, channels: int, height: in
     return x.reshape(B, channels, height, width)
 
 
-class PatchEmbedding(Module):
+class PatchEmbedding(PatchEmbeddingDoor, Module):
     """Non-overlapping p x p patches, each mapped to d_model by one Linear `proj`: (B, C, H, W) -> (B, N, d)."""
+
+    _check_float = staticmethod(check_input)  # see tfm_common.model_doors
 
     def __init__(self, image_size: int, patch_size: int, in_channels: int, d_model: int, *, rng=None, dtype=None):
         super().__init__()
@@ -47,18 +50,8 @@ class PatchEmbedding(Module):
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.proj(patchify(images, self.patch_size))  # (B, N, d)
 
-    def _check_forward(self, images) -> None:
-        """At the door (and at the door of ViT and Swin, which hand their images straight here)."""
-        check_input("PatchEmbedding", images, ndim_min=4, dtype=self.proj.weight.dtype)
-        C, S = self.in_channels, self.image_size
-        if images.dim() != 4 or tuple(images.shape[1:]) != (C, S, S):
-            raise ValueError(f"PatchEmbedding: images expected shape (B, {C}, {S}, {S}), got {tuple(images.shape)}")
 
-    def extra_repr(self) -> str:
-        return f"image_size={self.image_size}, patch_size={self.patch_size}, n_patches={self.n_patches}"
-
-
-class ViT(Module):
+class ViT(ViTDoor, Module):
     """A Vision Transformer classifier, the twin of tfm_numpy.ViT: `model(images)` -> logits (B, n_classes)."""
 
     def __init__(
@@ -83,10 +76,8 @@ class ViT(Module):
         self.pool, self.d_model = pool, d_model
         self.patch_embed = PatchEmbedding(image_size, patch_size, in_channels, d_model, rng=rng, dtype=dt)
         n_tokens = self.patch_embed.n_patches + (pool == "cls")
-        if pool == "cls":
-            self.cls_token = nn.Parameter(0.02 * torch.randn(1, 1, d_model, generator=rng, dtype=dt))
-        else:
-            self.cls_token = None
+        cls = nn.Parameter(0.02 * torch.randn(1, 1, d_model, generator=rng, dtype=dt)) if pool == "cls" else None
+        self.cls_token = cls
         self.pos_embed = LearnedPositionalEmbedding(n_tokens, d_model, rng=rng, dtype=dt)
         with torch.no_grad():
             self.pos_embed.weight.mul_(0.02)
@@ -101,13 +92,3 @@ class ViT(Module):
         h = self.encoder(self.dropout(self.pos_embed(x)))  # (B, T, d)
         pooled = h[:, 0] if self.pool == "cls" else h.mean(dim=1)  # (B, d)
         return self.head(pooled)  # (B, K)
-
-    def _check_forward(self, images) -> None:
-        self.patch_embed._check_forward(images)
-
-    def attention_weights(self) -> list[torch.Tensor]:
-        """[(B, H, T, T) per layer] from the last forward (detached)."""
-        return self.encoder.attention_weights()
-
-    def extra_repr(self) -> str:
-        return f"pool={self.pool!r}, n_patches={self.patch_embed.n_patches}"

@@ -1,0 +1,129 @@
+"""The doors of the GPT, ViT and Swin modules, with their reprs and `attention_weights`, once for both tracks (as
+`tfm_common.doors` holds the 2017 model's): the track supplies `_check_float` (its check_input), `_check_ids` (its
+check_indices) and, for WindowAttention, the mask's `_mask_kind` = (array type, bool dtype, word). The attention
+weights are the last forward's (detached in tfm_torch)."""
+
+from __future__ import annotations
+
+from .sampling import check_generate, check_token_window
+
+__all__ = ["GPTBlockDoor", "GPTDoor", "PatchEmbeddingDoor", "ImageModelDoor", "ViTDoor", "SwinDoor",
+           "WindowAttentionDoor", "SwinBlockDoor", "PatchMergingDoor"]  # fmt: skip
+
+
+class GPTBlockDoor:
+    """What the block's inner norm and attention refused of a caller's x and mask (inner calls skip their checks)."""
+
+    def _check_forward(self, x, mask=None, offset=0) -> None:
+        self.norm1._check_forward(x)
+        self.self_attn._check_forward(x, mask, offset)
+
+    def _check_forward_step(self, x, cache, mask=None) -> None:
+        self.norm1._check_forward(x)
+        self.self_attn._check_forward_step(x, cache, mask)
+
+
+class GPTDoor:
+    """Token ids in the vocabulary that fit the context window after the cached positions; generate's arguments."""
+
+    def _check_forward(self, tokens) -> None:
+        self._check_tokens(tokens, 0)
+
+    def _check_forward_step(self, tokens, cache: dict) -> None:
+        self._check_tokens(tokens, cache.get("length", 0))
+
+    def _check_generate(self, tokens, max_new_tokens, temperature, top_k, rng):
+        """(max_new_tokens, temperature, top_k, a numpy Generator), checked with the prompt."""
+        T0 = self._check_tokens(tokens, 0)
+        return check_generate("GPT.generate", T0, max_new_tokens, temperature, top_k, rng, self.vocab_size,
+                              self.max_len)  # fmt: skip
+
+    def _check_tokens(self, tokens, offset: int) -> int:
+        self._check_ids("GPT: tokens", tokens, self.vocab_size)
+        return check_token_window("GPT", tuple(tokens.shape), offset, self.max_len)
+
+    def attention_weights(self) -> list:
+        """[(B, H, T, T) per layer]: the last forward's self-attention weights."""
+        return [layer.self_attn.attn_weights for layer in self.layers]
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return ", ".join(f"{k}={c[k]!r}" for k in ("norm", "positional", "activation", "n_kv_heads", "tie_output"))
+
+
+class PatchEmbeddingDoor:
+    """Images (B, C, S, S) of the parameters' dtype (the door of ViT and Swin too, which hand them straight here)."""
+
+    def _check_forward(self, images) -> None:
+        self._check_float("PatchEmbedding", images, ndim_min=4, dtype=self.proj.weight.dtype)
+        C, S = self.in_channels, self.image_size
+        if len(images.shape) != 4 or tuple(images.shape[1:]) != (C, S, S):
+            raise ValueError(f"PatchEmbedding: images expected shape (B, {C}, {S}, {S}), got {tuple(images.shape)}")
+
+    def extra_repr(self) -> str:
+        return f"image_size={self.image_size}, patch_size={self.patch_size}, n_patches={self.n_patches}"
+
+
+class ImageModelDoor:
+    """A ViT or Swin checks what its patch embedding checks."""
+
+    def _check_forward(self, images) -> None:
+        self.patch_embed._check_forward(images)
+
+
+class ViTDoor(ImageModelDoor):
+    def attention_weights(self) -> list:
+        """[(B, H, T, T) per layer] from the last forward; with pool="cls", token 0 is the class token."""
+        return self.encoder.attention_weights()
+
+    def extra_repr(self) -> str:
+        return f"pool={self.pool!r}, n_patches={self.patch_embed.n_patches}"
+
+
+class SwinDoor(ImageModelDoor):
+    def attention_weights(self) -> list:
+        """[(B nW, heads, M M, M M) per block] from the last forward."""
+        return [block.attn.attn_weights for stage in self.stages for block in stage]
+
+
+class WindowAttentionDoor:
+    def _check_forward(self, x, mask=None) -> None:
+        """x (B nW, M M, d_model); mask None or a bool (nW, M M, M M) whose nW divides B nW."""
+        N, (array, boolean, word) = self.window_size**2, self._mask_kind
+        self._check_float("WindowAttention", x, ndim_min=3, last_dim=self.d_model, dtype=self.q_proj.weight.dtype)
+        if len(x.shape) != 3 or x.shape[1] != N:
+            raise ValueError(f"WindowAttention: x expected shape (B nW, {N}, {self.d_model}), got {tuple(x.shape)}")
+        if mask is None:
+            return
+        if not isinstance(mask, array) or mask.dtype != boolean or len(mask.shape) != 3 or mask.shape[1:] != (N, N):
+            got = f"{mask.dtype} {tuple(mask.shape)}" if isinstance(mask, array) else type(mask).__name__
+            raise ValueError(f"WindowAttention: mask expected a bool {word} (nW, {N}, {N}), got {got}")
+        if x.shape[0] % mask.shape[0]:
+            raise ValueError(f"WindowAttention: {x.shape[0]} windows is not a multiple of the mask's {mask.shape[0]}")
+
+    def extra_repr(self) -> str:
+        return f"d_model={self.d_model}, n_heads={self.n_heads}, window_size={self.window_size}"
+
+
+class GridDoor:
+    """x (B, H W, d_model): the module's grid of tokens, of its norm's dtype (`_owner` and `_norm` name them)."""
+
+    def _check_forward(self, x) -> None:
+        (H, W), d, owner = self.resolution, self.d_model, self._owner
+        self._check_float(owner, x, ndim_min=3, last_dim=d, dtype=getattr(self, self._norm).weight.dtype)
+        if len(x.shape) != 3 or x.shape[1] != H * W:
+            raise ValueError(f"{owner}: x expected shape (B, {H * W}, {d}), got {tuple(x.shape)}")
+
+
+class SwinBlockDoor(GridDoor):
+    _owner, _norm = "SwinBlock", "norm1"
+
+    def extra_repr(self) -> str:
+        return f"resolution={self.resolution}, window_size={self.window_size}, shift={self.shift}"
+
+
+class PatchMergingDoor(GridDoor):
+    _owner, _norm = "PatchMerging", "norm"
+
+    def extra_repr(self) -> str:
+        return f"resolution={self.resolution}, d_model={self.d_model}"
