@@ -198,7 +198,7 @@ def _fused(attn, names: tuple[str, ...], bias) -> tuple[np.ndarray, np.ndarray |
     `bias` (a _Repeat, or None: a plain vector). The query projection comes out times 1/sqrt(dk) (and
     score_scale's 1/sqrt(H)): the scores need no scaling after."""
     projs = [getattr(attn, n) for n in names]
-    scale = (1.0 if attn._q_scale is None else attn._q_scale) / math.sqrt(attn.d_head)
+    scale = (1.0 if attn.q_scale is None else attn.q_scale) / math.sqrt(attn.d_head)
     scales = [scale if n == "q_proj" else 1.0 for n in names]
     w = np.concatenate([p.weight.data * c for p, c in zip(projs, scales, strict=True)], axis=0)  # (n * d, d)
     if all(p.bias is None for p in projs):

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from tfm_common.validate import check_real, check_size, check_sizes
+from tfm_common.attention_rules import attention_repr, check_attention_inputs, check_heads, check_kv_heads, check_rotary
+from tfm_common.validate import check_positions, check_real, check_size, check_sizes
 
 from .attention import AttentionImpl, check_attention, check_attention_call
 from .kv_cache import cache_append
@@ -131,9 +132,7 @@ class RotaryEmbedding(Module):
         check_input("RotaryEmbedding", x, ndim_min=2, last_dim=self.d_head, dtype=self.dtype)
         T = x.shape[-2]
         offset = check_size("RotaryEmbedding", "offset", offset, minimum=0)
-        if offset + T > self.max_len:
-            start = f" starting at position {offset}" if offset else ""
-            raise ValueError(f"RotaryEmbedding: sequence length {T}{start} exceeds max_len {self.max_len}")
+        check_positions("RotaryEmbedding", T, offset, self.max_len)
         sin = self.sin[offset : offset + T]
         return apply_rope(x, self.cos[offset : offset + T], -sin if inverse else sin)
 
@@ -204,16 +203,6 @@ class SwiGLUFeedForward(Module):
 # -- grouped-query attention -----------------------------------------------------------------------------------------
 
 
-def check_kv_heads(owner: str, n_heads: int, n_kv_heads) -> int:
-    """n_kv_heads (None: n_heads) must divide n_heads: each key/value head serves n_heads / n_kv_heads query heads."""
-    if n_kv_heads is None:
-        return n_heads
-    n_kv_heads = check_size(owner, "n_kv_heads", n_kv_heads)
-    if n_heads % n_kv_heads:
-        raise ValueError(f"{owner}: n_heads={n_heads} must be divisible by n_kv_heads={n_kv_heads}")
-    return n_kv_heads
-
-
 def repeat_kv(x: np.ndarray, n_rep: int) -> np.ndarray:
     """(B, Hkv, T, d) -> (B, Hkv * n_rep, T, d): key/value head j serves query heads j n_rep .. (j + 1) n_rep - 1
     (torch's enable_gqa layout). Its backward sums each group: grad.reshape(B, Hkv, n_rep, T, d).sum(axis=2)."""
@@ -251,13 +240,9 @@ class GroupedQueryAttention(AttentionImpl, Module):
     ):
         super().__init__()
         owner = "GroupedQueryAttention"
-        check_sizes(owner, d_model=d_model, n_heads=n_heads)
-        if d_model % n_heads:
-            raise ValueError(f"{owner}: d_model={d_model} must be divisible by n_heads={n_heads}")
-        self.d_model, self.n_heads, self.d_head = d_model, n_heads, d_model // n_heads
+        self.d_model, self.n_heads, self.d_head = check_heads(owner, d_model, n_heads)
         self.n_kv_heads = check_kv_heads(owner, n_heads, n_kv_heads)
-        if rotary is not None and (not isinstance(rotary, RotaryEmbedding) or rotary.d_head != self.d_head):
-            raise ValueError(f"{owner}: rotary expected a RotaryEmbedding with d_head={self.d_head}, got {rotary!r}")
+        check_rotary(owner, rotary, self.d_head, RotaryEmbedding)
         dt, g = check_dtype(dtype), as_rng(rng)
         d_kv = self.n_kv_heads * self.d_head
         self.q_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
@@ -282,9 +267,8 @@ class GroupedQueryAttention(AttentionImpl, Module):
     # -- the door: a caller's arguments, checked before anything is projected, cached or stored ----------------------
 
     def _check_x(self, x) -> None:
-        check_input("GroupedQueryAttention: x", x, ndim_min=3, last_dim=self.d_model, dtype=self.q_proj.weight.dtype)
-        if x.ndim != 3:
-            raise ValueError(f"GroupedQueryAttention: x must be (B, T, d_model), got shape {x.shape}")
+        dt = self.q_proj.weight.dtype
+        check_attention_inputs("GroupedQueryAttention", check_input, self.d_model, dt, {"x": x}, ndim_min=3)
 
     def _check_forward(self, x, mask=None, offset=0) -> None:
         self._check_x(x)
@@ -351,5 +335,6 @@ class GroupedQueryAttention(AttentionImpl, Module):
 
     def extra_repr(self) -> str:
         rope = ", rotary" if self.rotary is not None else ""
-        flash = f", attention='flash', tile_size={self.tile_size}" if self.attention == "flash" else ""
-        return f"d_model={self.d_model}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}{rope}{flash}"
+        return (
+            f"d_model={self.d_model}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}{rope}{attention_repr(self)}"
+        )

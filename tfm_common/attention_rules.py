@@ -1,0 +1,87 @@
+"""The attention modules' rules, the same in both tracks (MultiHeadAttention, GroupedQueryAttention, use_attention):
+their constructor arguments, the door's checks that read no array's values, and the option's repr."""
+
+from __future__ import annotations
+
+from .validate import check_size, check_sizes
+
+__all__ = ["check_heads", "check_kv_heads", "check_rotary", "check_attention_inputs", "check_cache_rows",
+           "refuse_flash_dropout", "switch_attention", "attention_repr"]  # fmt: skip
+
+
+def check_heads(owner: str, d_model, n_heads) -> tuple[int, int, int]:
+    """Positive sizes, d_model divisible by n_heads: returns (d_model, n_heads, d_head)."""
+    d_model, n_heads = check_sizes(owner, d_model=d_model, n_heads=n_heads).values()
+    if d_model % n_heads != 0:
+        raise ValueError(f"{owner}: d_model={d_model} must be divisible by n_heads={n_heads}")
+    return d_model, n_heads, d_model // n_heads
+
+
+def check_kv_heads(owner: str, n_heads: int, n_kv_heads) -> int:
+    """n_kv_heads (None: n_heads) must divide n_heads: each key/value head serves n_heads / n_kv_heads query heads."""
+    if n_kv_heads is None:
+        return n_heads
+    n_kv_heads = check_size(owner, "n_kv_heads", n_kv_heads)
+    if n_heads % n_kv_heads:
+        raise ValueError(f"{owner}: n_heads={n_heads} must be divisible by n_kv_heads={n_kv_heads}")
+    return n_kv_heads
+
+
+def check_rotary(owner: str, rotary, d_head: int, rotary_class: type) -> None:
+    """None, or a RotaryEmbedding (the track's `rotary_class`) for heads of d_head."""
+    if rotary is not None and (not isinstance(rotary, rotary_class) or rotary.d_head != d_head):
+        raise ValueError(f"{owner}: rotary expected a RotaryEmbedding with d_head={d_head}, got {rotary!r}")
+
+
+def check_attention_inputs(owner: str, check_input, d_model: int, dtype, inputs: dict, **kwargs) -> None:
+    """Each input (B, T, d_model) of the module's dtype, checked by the track's `check_input` (with `kwargs`); for
+    several inputs (query, key, value) one batch size, and keys and values of one length."""
+    for arg, x in inputs.items():
+        check_input(f"{owner}: {arg}", x, last_dim=d_model, dtype=dtype, **kwargs)
+        if x.ndim != 3:
+            raise ValueError(f"{owner}: {arg} must be (B, T, d_model), got shape {tuple(x.shape)}")
+    if len(inputs) < 3:
+        return
+    q, k, v = (tuple(x.shape) for x in inputs.values())
+    if not q[0] == k[0] == v[0]:
+        raise ValueError(f"{owner}: batch sizes differ: query {q}, key {k}, value {v}")
+    if k[1] != v[1]:
+        raise ValueError(f"{owner}: key and value lengths differ: key {k}, value {v}")
+
+
+def check_cache_rows(owner: str, cache: dict | None, batch: int) -> None:
+    """A decoding cache holds keys and values of `batch` rows, those of the input."""
+    if cache is not None and "k" in cache and cache["k"].shape[0] != batch:
+        raise ValueError(
+            f"{owner}: the cache holds {cache['k'].shape[0]} rows, the input has {batch}; start a new cache for a "
+            "new batch (or reorder it with reorder_cache)"
+        )
+
+
+def refuse_flash_dropout(owner: str, module) -> None:
+    """The tiled kernel has no dropout on the weights: a module training with attention dropout is refused rather
+    than silently trained without."""
+    if module.attention == "flash" and module.training and module.dropout.p > 0:
+        raise ValueError(
+            f"{owner}: attention='flash' has no dropout on the attention weights, got dropout="
+            f"{module.dropout.p} in training mode; use dropout=0.0, eval(), or attention='explicit'"
+        )
+
+
+def switch_attention(model, modules, attention: str, tile_size: int):
+    """`use_attention`'s loop: set `attention` and `tile_size` on each of `modules` (the model's attention modules,
+    checked options); refuses a model without any. Returns the model."""
+    switched = 0
+    for m in modules:
+        m.attention, m.tile_size = attention, tile_size
+        switched += 1
+    if not switched:  # nothing would change: say so rather than return the model as it was
+        raise ValueError(f"use_attention: {type(model).__name__} has no attention module to switch to {attention!r}")
+    return model
+
+
+def attention_repr(module) -> str:
+    """The attention option in a module's repr: nothing for the default "explicit"."""
+    if module.attention == "flash":
+        return f", attention='flash', tile_size={module.tile_size}"
+    return ", attention='sdpa'" if module.attention == "sdpa" else ""
