@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from tfm_common.attention_rules import (
+from tfm_common.attention import (
     attention_repr,
     check_attention_inputs,
     check_cache_rows,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tfm_common.attention_rules import attention_repr, check_attention_inputs, check_heads, check_kv_heads, check_rotary
+from tfm_common.attention import attention_repr, check_attention_inputs, check_heads, check_kv_heads, check_rotary
 from tfm_common.validate import check_positions, check_real, check_size, check_sizes
 
 from .attention import AttentionImpl, check_attention, check_attention_call

@@ -10,7 +10,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from tfm_common.attention_rules import (
+from tfm_common.attention import (
     attention_repr,
     check_attention_inputs,
     check_cache_rows,

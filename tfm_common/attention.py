@@ -1,12 +1,13 @@
-"""The attention modules' rules, the same in both tracks (MultiHeadAttention, GroupedQueryAttention, use_attention):
-their constructor arguments, the door's checks that read no array's values, and the option's repr."""
+"""What the attention of both tracks shares: the rules of MultiHeadAttention's and GroupedQueryAttention's arguments,
+the door's checks that read no array's values, use_attention's loop, the option's repr, and the flash kernels'
+tiles."""
 
 from __future__ import annotations
 
 from .validate import check_size, check_sizes
 
 __all__ = ["check_heads", "check_kv_heads", "check_rotary", "check_attention_inputs", "check_cache_rows",
-           "refuse_flash_dropout", "switch_attention", "attention_repr"]  # fmt: skip
+           "refuse_flash_dropout", "switch_attention", "attention_repr", "tiles", "mask_tile"]  # fmt: skip
 
 
 def check_heads(owner: str, d_model, n_heads) -> tuple[int, int, int]:
@@ -85,3 +86,15 @@ def attention_repr(module) -> str:
     if module.attention == "flash":
         return f", attention='flash', tile_size={module.tile_size}"
     return ", attention='sdpa'" if module.attention == "sdpa" else ""
+
+
+def tiles(n: int, size: int) -> list[slice]:
+    """[0:size], [size:2 size], ...: the blocks of an axis of length n (the last one may be shorter)."""
+    return [slice(s, min(s + size, n)) for s in range(0, n, size)]
+
+
+def mask_tile(mask, rows: slice, cols: slice):
+    """The mask's (..., Br, Bc) tile; an axis of size 1 (broadcast) is kept whole. None: no mask."""
+    if mask is None:
+        return None
+    return mask[..., rows if mask.shape[-2] > 1 else slice(None), cols if mask.shape[-1] > 1 else slice(None)]
