@@ -1,13 +1,17 @@
 """What the attention of both tracks shares: the rules of MultiHeadAttention's and GroupedQueryAttention's arguments,
-the door's checks that read no array's values, use_attention's loop, the option's repr, and the flash kernels'
-tiles."""
+their doors, use_attention's loop, the option's repr, and the flash kernels' tiles.
+
+The doors (as tfm_common.doors's) check a call from outside the library before anything is projected, cached or
+stored, so that a refused call changes nothing (a backward after it still differentiates the last good forward). The
+track supplies its array checks as static methods: `_check_float` (its check_input) and `_check_mask`.
+"""
 
 from __future__ import annotations
 
 from .validate import check_size, check_sizes
 
-__all__ = ["check_heads", "check_kv_heads", "check_rotary", "check_attention_inputs", "check_cache_rows",
-           "refuse_flash_dropout", "switch_attention", "attention_repr", "tiles", "mask_tile"]  # fmt: skip
+__all__ = ["check_heads", "check_kv_heads", "check_rotary", "refuse_flash_dropout", "MultiHeadAttentionDoor",
+           "GroupedQueryAttentionDoor", "switch_attention", "attention_repr", "tiles", "mask_tile"]  # fmt: skip
 
 
 def check_heads(owner: str, d_model, n_heads) -> tuple[int, int, int]:
@@ -34,31 +38,6 @@ def check_rotary(owner: str, rotary, d_head: int, rotary_class: type) -> None:
         raise ValueError(f"{owner}: rotary expected a RotaryEmbedding with d_head={d_head}, got {rotary!r}")
 
 
-def check_attention_inputs(owner: str, check_input, d_model: int, dtype, inputs: dict, **kwargs) -> None:
-    """Each input (B, T, d_model) of the module's dtype, checked by the track's `check_input` (with `kwargs`); for
-    several inputs (query, key, value) one batch size, and keys and values of one length."""
-    for arg, x in inputs.items():
-        check_input(f"{owner}: {arg}", x, last_dim=d_model, dtype=dtype, **kwargs)
-        if x.ndim != 3:
-            raise ValueError(f"{owner}: {arg} must be (B, T, d_model), got shape {tuple(x.shape)}")
-    if len(inputs) < 3:
-        return
-    q, k, v = (tuple(x.shape) for x in inputs.values())
-    if not q[0] == k[0] == v[0]:
-        raise ValueError(f"{owner}: batch sizes differ: query {q}, key {k}, value {v}")
-    if k[1] != v[1]:
-        raise ValueError(f"{owner}: key and value lengths differ: key {k}, value {v}")
-
-
-def check_cache_rows(owner: str, cache: dict | None, batch: int) -> None:
-    """A decoding cache holds keys and values of `batch` rows, those of the input."""
-    if cache is not None and "k" in cache and cache["k"].shape[0] != batch:
-        raise ValueError(
-            f"{owner}: the cache holds {cache['k'].shape[0]} rows, the input has {batch}; start a new cache for a "
-            "new batch (or reorder it with reorder_cache)"
-        )
-
-
 def refuse_flash_dropout(owner: str, module) -> None:
     """The tiled kernel has no dropout on the weights: a module training with attention dropout is refused rather
     than silently trained without."""
@@ -67,6 +46,58 @@ def refuse_flash_dropout(owner: str, module) -> None:
             f"{owner}: attention='flash' has no dropout on the attention weights, got dropout="
             f"{module.dropout.p} in training mode; use dropout=0.0, eval(), or attention='explicit'"
         )
+
+
+class AttentionDoor:
+    def _check_inputs(self, owner: str, inputs: dict, **kwargs) -> None:
+        """Each input (B, T, d_model) of the module's dtype; for query, key and value one batch size, and keys and
+        values of one length."""
+        for arg, x in inputs.items():
+            self._check_float(f"{owner}: {arg}", x, last_dim=self.d_model, dtype=self.q_proj.weight.dtype, **kwargs)
+            if x.ndim != 3:
+                raise ValueError(f"{owner}: {arg} must be (B, T, d_model), got shape {tuple(x.shape)}")
+        if len(inputs) < 3:
+            return
+        q, k, v = (tuple(x.shape) for x in inputs.values())
+        if not q[0] == k[0] == v[0]:
+            raise ValueError(f"{owner}: batch sizes differ: query {q}, key {k}, value {v}")
+        if k[1] != v[1]:
+            raise ValueError(f"{owner}: key and value lengths differ: key {k}, value {v}")
+
+    def _check_call(self, owner: str, batch: int, tq: int, tk: int, mask, cache: dict | None = None) -> None:
+        """The rows of a decoding cache; the mask against the scores (B, H, Tq, Tk) (also for attention="sdpa", whose
+        kernel would read a float mask as an additive bias); the tiled kernel's refusal of attention dropout."""
+        if cache is not None and "k" in cache and cache["k"].shape[0] != batch:
+            raise ValueError(
+                f"{owner}: the cache holds {cache['k'].shape[0]} rows, the input has {batch}; start a new cache for "
+                "a new batch (or reorder it with reorder_cache)"
+            )
+        if mask is not None:
+            self._check_mask(mask, (batch, self.n_heads, tq, tk))
+        refuse_flash_dropout(owner, self)
+
+
+class MultiHeadAttentionDoor(AttentionDoor):
+    def _check_forward(self, query, key, value, mask=None) -> None:
+        self._check_inputs("MultiHeadAttention", {"query": query, "key": key, "value": value})
+        self._check_call("MultiHeadAttention", query.shape[0], query.shape[1], key.shape[1], mask)
+
+    def _check_forward_step(self, query, key, value, cache: dict, mask=None, *, static: bool = False) -> None:
+        self._check_inputs("MultiHeadAttention", {"query": query, "key": key, "value": value})
+        cached = cache["k"].shape[2] if "k" in cache else 0  # positions (or, static, memory keys) already there
+        keys = cached if static and "k" in cache else cached + key.shape[1]
+        self._check_call("MultiHeadAttention", query.shape[0], query.shape[1], keys, mask, cache)
+
+
+class GroupedQueryAttentionDoor(AttentionDoor):
+    def _check_forward(self, x, mask=None, offset=0) -> None:
+        self._check_inputs("GroupedQueryAttention", {"x": x}, ndim_min=3)
+        self._check_call("GroupedQueryAttention", x.shape[0], x.shape[1], x.shape[1], mask)
+
+    def _check_forward_step(self, x, cache, mask=None) -> None:
+        self._check_inputs("GroupedQueryAttention", {"x": x}, ndim_min=3)
+        keys = (cache["k"].shape[2] if "k" in cache else 0) + x.shape[1]  # the cached positions and the new ones
+        self._check_call("GroupedQueryAttention", x.shape[0], x.shape[1], keys, mask, cache)
 
 
 def switch_attention(model, modules, attention: str, tile_size: int):

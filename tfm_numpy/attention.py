@@ -13,9 +13,8 @@ from typing import NamedTuple
 import numpy as np
 
 from tfm_common.attention import (
+    MultiHeadAttentionDoor,
     attention_repr,
-    check_attention_inputs,
-    check_cache_rows,
     check_heads,
     refuse_flash_dropout,
     switch_attention,
@@ -196,7 +195,7 @@ class AttentionImpl:
         return flash_attention_backward(d_ctx, q, k, v, ctx, lse, mask, tile_size=self.tile_size)
 
 
-class MultiHeadAttention(AttentionImpl, Module):
+class MultiHeadAttention(AttentionImpl, MultiHeadAttentionDoor, Module):
     """Multi-head attention: project, split into heads, attend in each head, merge, project back.
 
     forward(query (B, Tq, d), key (B, Tk, d), value (B, Tk, d), mask) -> (B, Tq, d). The heads are a batch
@@ -214,6 +213,8 @@ class MultiHeadAttention(AttentionImpl, Module):
     backward(grad_out) returns (d_query, d_key, d_value). When one tensor fed several inputs, add its
     gradients: self-attention `dx = sum(mha.backward(g))`, cross-attention `d_memory = d_key + d_value`.
     """
+
+    _check_float, _check_mask = staticmethod(check_input), staticmethod(check_mask)  # the door's checks
 
     def __init__(
         self,
@@ -263,21 +264,6 @@ class MultiHeadAttention(AttentionImpl, Module):
         """(B, H, T, dk) -> (B, T, d): the inverse of `_split`."""
         B, _, T, _ = x.shape
         return x.transpose(0, 2, 1, 3).reshape(B, T, self.d_model)
-
-    def _check_forward(self, query, key, value, mask=None) -> None:
-        """At the door, before anything is projected, cached or stored (a refused call changes nothing)."""
-        self._check_inputs(query, key, value)
-        check_attention_call("MultiHeadAttention", self, query.shape[0], query.shape[1], key.shape[1], mask)
-
-    def _check_forward_step(self, query, key, value, cache: dict, mask=None, *, static: bool = False) -> None:
-        self._check_inputs(query, key, value)
-        cached = cache["k"].shape[2] if "k" in cache else 0  # positions (or, static, memory keys) already there
-        keys = cached if static and "k" in cache else cached + key.shape[1]
-        check_attention_call("MultiHeadAttention", self, query.shape[0], query.shape[1], keys, mask, cache)
-
-    def _check_inputs(self, query, key, value) -> None:
-        inputs = {"query": query, "key": key, "value": value}
-        check_attention_inputs("MultiHeadAttention", check_input, self.d_model, self.q_proj.weight.dtype, inputs)
 
     def forward(self, query: np.ndarray, key: np.ndarray, value: np.ndarray, mask: np.ndarray | None = None):
         q = self._split(self.q_proj(query))  # (B, H, Tq, dk)
@@ -387,16 +373,6 @@ def make_attention(head_projection: str, d_model: int, n_heads: int, dropout: fl
     head_projection = check_choice("make_attention", "head_projection", head_projection, HEAD_PROJECTIONS)
     cls = MultiHeadAttention if head_projection == "full" else SharedHeadProjectionAttention
     return cls(d_model, n_heads, dropout, **kwargs)
-
-
-def check_attention_call(owner: str, module, batch: int, tq: int, tk: int, mask, cache: dict | None = None) -> None:
-    """What an attention module checks at its door, before it projects, caches or stores anything, so that a refused
-    call changes nothing (a backward after it still differentiates the last good forward): the mask against the
-    scores' shape (B, H, Tq, Tk), the rows of a decoding cache, and the tiled kernel's refusal of attention dropout."""
-    check_cache_rows(owner, cache, batch)
-    if mask is not None:
-        check_mask(mask, (batch, module.n_heads, tq, tk))
-    refuse_flash_dropout(owner, module)
 
 
 def check_attention(owner: str, attention, tile_size) -> tuple[str, int]:

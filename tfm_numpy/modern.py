@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from tfm_common.attention import attention_repr, check_attention_inputs, check_heads, check_kv_heads, check_rotary
+from tfm_common.attention import GroupedQueryAttentionDoor, attention_repr, check_heads, check_kv_heads, check_rotary
 from tfm_common.validate import check_positions, check_real, check_size, check_sizes
 
-from .attention import AttentionImpl, check_attention, check_attention_call
+from .attention import AttentionImpl, check_attention
 from .kv_cache import cache_append
 from .layers import Dropout, Linear
+from .masks import check_mask
 from .module import Module, Parameter, as_rng, check_dtype, check_input
 
 __all__ = [
@@ -209,7 +210,7 @@ def repeat_kv(x: np.ndarray, n_rep: int) -> np.ndarray:
     return x if n_rep == 1 else np.repeat(x, n_rep, axis=1)
 
 
-class GroupedQueryAttention(AttentionImpl, Module):
+class GroupedQueryAttention(AttentionImpl, GroupedQueryAttentionDoor, Module):
     """Causal-or-not self-attention with n_kv_heads key/value heads shared by n_heads query heads (Ainslie et al.,
     2023); n_kv_heads = n_heads is multi-head attention, 1 is multi-query attention (Shazeer, 2019).
 
@@ -223,6 +224,8 @@ class GroupedQueryAttention(AttentionImpl, Module):
     key/value heads), without attention dropout and without keeping the weights; `use_attention(model, ...)`
     switches it.
     """
+
+    _check_float, _check_mask = staticmethod(check_input), staticmethod(check_mask)  # the door's checks
 
     def __init__(
         self,
@@ -265,21 +268,6 @@ class GroupedQueryAttention(AttentionImpl, Module):
         return x.transpose(0, 2, 1, 3).reshape(B, T, n * self.d_head)
 
     # -- the door: a caller's arguments, checked before anything is projected, cached or stored ----------------------
-
-    def _check_x(self, x) -> None:
-        dt = self.q_proj.weight.dtype
-        check_attention_inputs("GroupedQueryAttention", check_input, self.d_model, dt, {"x": x}, ndim_min=3)
-
-    def _check_forward(self, x, mask=None, offset=0) -> None:
-        self._check_x(x)
-        check_attention_call("GroupedQueryAttention", self, x.shape[0], x.shape[1], x.shape[1], mask)
-
-    def _check_forward_step(self, x, cache, mask=None) -> None:
-        self._check_x(x)
-        keys = (cache["k"].shape[2] if "k" in cache else 0) + x.shape[1]  # the cached positions and the new ones
-        check_attention_call("GroupedQueryAttention", self, x.shape[0], x.shape[1], keys, mask, cache)
-
-    # -- forward and backward ------------------------------------------------------------------------------------------
 
     def _project(self, x: np.ndarray, offset: int):
         """Queries (B, H, T, dh), keys and values (B, Hkv, T, dh), queries and keys rotated if RoPE is on."""

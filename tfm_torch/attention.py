@@ -11,9 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from tfm_common.attention import (
+    MultiHeadAttentionDoor,
     attention_repr,
-    check_attention_inputs,
-    check_cache_rows,
     check_heads,
     refuse_flash_dropout,
     switch_attention,
@@ -105,9 +104,11 @@ class AttentionImpl:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)  # (B, H, Tq, dv)
 
 
-class MultiHeadAttention(AttentionImpl, Module):
+class MultiHeadAttention(AttentionImpl, MultiHeadAttentionDoor, Module):
     """Twin of tfm_numpy.MultiHeadAttention (same submodules, same keys); `attn_weights` are detached. attention="sdpa"
     (this track only) takes the same mask (a row with nothing to attend to gives zeros, as here)."""
+
+    _check_float, _check_mask = staticmethod(check_input), staticmethod(check_mask)  # the door's checks
 
     def __init__(
         self,
@@ -153,20 +154,6 @@ class MultiHeadAttention(AttentionImpl, Module):
         """(B, H, T, dk) -> (B, T, d)."""
         B, _, T, _ = x.shape
         return x.transpose(1, 2).reshape(B, T, self.d_model)
-
-    def _check_forward(self, query, key, value, mask=None) -> None:
-        self._check_inputs(query, key, value)
-        check_attention_call("MultiHeadAttention", self, query.shape[0], query.shape[1], key.shape[1], mask)
-
-    def _check_forward_step(self, query, key, value, cache: dict, mask=None, *, static: bool = False) -> None:
-        self._check_inputs(query, key, value)
-        cached = cache["k"].shape[2] if "k" in cache else 0  # positions (or, static, memory keys) already there
-        keys = cached if static and "k" in cache else cached + key.shape[1]
-        check_attention_call("MultiHeadAttention", self, query.shape[0], query.shape[1], keys, mask, cache)
-
-    def _check_inputs(self, query, key, value) -> None:
-        inputs = {"query": query, "key": key, "value": value}
-        check_attention_inputs("MultiHeadAttention", check_input, self.d_model, self.q_proj.weight.dtype, inputs)
 
     def forward(self, query, key, value, mask=None) -> torch.Tensor:
         q = self._split(self.q_proj(query))  # (B, H, Tq, dk)
@@ -236,14 +223,6 @@ def make_attention(head_projection: str, d_model: int, n_heads: int, dropout: fl
     head_projection = check_choice("make_attention", "head_projection", head_projection, HEAD_PROJECTIONS)
     cls = MultiHeadAttention if head_projection == "full" else SharedHeadProjectionAttention
     return cls(d_model, n_heads, dropout, **kwargs)
-
-
-def check_attention_call(owner: str, module, batch: int, tq: int, tk: int, mask, cache: dict | None = None) -> None:
-    """As tfm_numpy's; the mask is checked also for attention="sdpa", whose kernel would read a float mask as a bias."""
-    check_cache_rows(owner, cache, batch)
-    if mask is not None:
-        check_mask(mask, (batch, module.n_heads, tq, tk))
-    refuse_flash_dropout(owner, module)
 
 
 def check_attention(owner: str, attention, tile_size) -> tuple[str, int]:

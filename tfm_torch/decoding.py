@@ -154,6 +154,3 @@ def _next_logits(model, tgt, memory, src_mask, cache: dict | None) -> torch.Tens
     if cache is None:
         return model.decode(tgt, memory, src_mask)[:, -1]  # the whole prefix again
     return model.decode_step(tgt[:, -1:], memory, src_mask, cache)[:, -1]  # the new token only
-
-
-# -- eval mode ----------------------------------------------------------------------------------------------------

@@ -7,12 +7,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tfm_common.attention import attention_repr, check_attention_inputs, check_heads, check_kv_heads, check_rotary
+from tfm_common.attention import GroupedQueryAttentionDoor, attention_repr, check_heads, check_kv_heads, check_rotary
 from tfm_common.validate import check_positions, check_real, check_size, check_sizes
 
-from .attention import AttentionImpl, check_attention, check_attention_call
+from .attention import AttentionImpl, check_attention
 from .kv_cache import cache_append
 from .layers import Dropout, Linear
+from .masks import check_mask
 from .module import Module, as_generator, check_dtype, check_input
 
 __all__ = [
@@ -125,11 +126,13 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
 
 
-class GroupedQueryAttention(AttentionImpl, Module):
+class GroupedQueryAttention(AttentionImpl, GroupedQueryAttentionDoor, Module):
     """Grouped-query self-attention, twin of tfm_numpy's: forward(x, mask, offset=0) -> (B, T, d); forward_step
     with a cache of n_kv_heads heads; `rotary` rotates queries and keys. attention="flash" (tiled, as tfm_numpy's)
     or "sdpa" (this track only: F.scaled_dot_product_attention with enable_gqa, the key/value heads not repeated;
     attention dropout from torch's global generator) keep no weights; `use_attention(model, ...)` switches it."""
+
+    _check_float, _check_mask = staticmethod(check_input), staticmethod(check_mask)  # the door's checks
 
     def __init__(
         self,
@@ -168,19 +171,6 @@ class GroupedQueryAttention(AttentionImpl, Module):
     def _merge(self, x: torch.Tensor) -> torch.Tensor:
         B, n, T, _ = x.shape
         return x.transpose(1, 2).reshape(B, T, n * self.d_head)
-
-    def _check_x(self, x) -> None:
-        dt = self.q_proj.weight.dtype
-        check_attention_inputs("GroupedQueryAttention", check_input, self.d_model, dt, {"x": x}, ndim_min=3)
-
-    def _check_forward(self, x, mask=None, offset=0) -> None:
-        self._check_x(x)
-        check_attention_call("GroupedQueryAttention", self, x.shape[0], x.shape[1], x.shape[1], mask)
-
-    def _check_forward_step(self, x, cache, mask=None) -> None:
-        self._check_x(x)
-        keys = (cache["k"].shape[2] if "k" in cache else 0) + x.shape[1]  # the cached positions and the new ones
-        check_attention_call("GroupedQueryAttention", self, x.shape[0], x.shape[1], keys, mask, cache)
 
     def _project(self, x: torch.Tensor, offset: int):
         q = self._split(self.q_proj(x), self.n_heads)
