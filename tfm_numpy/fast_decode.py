@@ -181,7 +181,7 @@ class _Repeat:
         return None if b is None else np.repeat(b[:, None], self.B, axis=1)  # (n,) -> (n, B)
 
     def linear(self, lin) -> tuple[np.ndarray, np.ndarray | None]:
-        return lin.weight.data, self(_data(lin.bias))  # (d_out, d_in), (d_out, B)
+        return lin.weight.data, self(None if lin.bias is None else lin.bias.data)  # (d_out, d_in), (d_out, B)
 
     def norm(self, ln) -> tuple[np.ndarray, np.ndarray, float]:
         return self(ln.weight.data), self(ln.bias.data), ln.eps
@@ -200,10 +200,6 @@ def _stacked_weights(attn, names: tuple[str, ...], bias) -> tuple[np.ndarray, np
     zeros = np.zeros(projs[0].out_features, w.dtype)
     b = np.concatenate([zeros if p.bias is None else p.bias.data * c for p, c in zip(projs, scales, strict=True)])
     return w, b if bias is None else bias(b)
-
-
-def _data(p):
-    return None if p is None else p.data
 
 
 def _affine(wb: tuple[np.ndarray, np.ndarray | None], x: np.ndarray) -> np.ndarray:

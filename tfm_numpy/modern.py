@@ -215,14 +215,10 @@ class GroupedQueryAttention(AttentionImpl, GroupedQueryAttentionDoor, Module):
     2023); n_kv_heads = n_heads is multi-head attention, 1 is multi-query attention (Shazeer, 2019).
 
     forward(x (B, T, d), mask, offset=0) -> (B, T, d); backward(dy) -> dx. Projections q_proj (d -> d), k_proj and
-    v_proj (d -> n_kv_heads d_head), out_proj (d -> d): with n_kv_heads = n_heads the same keys and shapes as
-    MultiHeadAttention, and the same function (the tests load one into the other). `rotary` (a RotaryEmbedding for
-    d_head, or None) rotates queries and keys at positions offset .. offset + T - 1, after the projection and the
-    split into heads. The key/value cache of `forward_step` holds n_kv_heads heads: n_heads / n_kv_heads times
-    smaller than multi-head attention's. After a forward, `attn_weights` holds (B, H, T, T) (before dropout).
-    attention="flash" computes the heads in tiles of `tile_size` (chapter 15b's `flash_attention`, on the repeated
-    key/value heads), without attention dropout and without keeping the weights; `use_attention(model, ...)`
-    switches it.
+    v_proj (d -> n_kv_heads d_head), out_proj (d -> d): with n_kv_heads = n_heads MultiHeadAttention's keys, shapes
+    and function. `rotary` (a RotaryEmbedding for d_head, or None) rotates queries and keys at positions offset ..
+    offset + T - 1, after the split into heads. The cache of `forward_step` holds n_kv_heads heads. `attention` as
+    MultiHeadAttention's (the tiled kernel runs on the repeated key/value heads).
     """
 
     _check_float, _check_mask = staticmethod(check_input), staticmethod(check_mask)  # the door's checks
@@ -309,10 +305,8 @@ class GroupedQueryAttention(AttentionImpl, GroupedQueryAttentionDoor, Module):
 
     def forward_step(self, x: np.ndarray, cache: dict, mask: np.ndarray | None = None) -> np.ndarray:
         """`forward` for new positions x (B, Tn, d) only (inference: no backward). cache["k"], cache["v"]
-        (B, Hkv, T, dh) hold every earlier position's keys and values (rotated at their own positions); the new
-        ones are appended in place (`cache_append`: buffers of cache["capacity"] positions, allocated once). The new
-        positions start at T (the cache's length), where RoPE rotates them. `mask` covers all keys so far,
-        (B or 1, 1, Tn, T + Tn)."""
+        (B, Hkv, T, dh) hold the earlier positions' keys and values (rotated at their positions); the new ones, rotated
+        at T.., are appended in place (`cache_append`). `mask` covers all keys so far, (B or 1, 1, Tn, T + Tn)."""
         q, k, v = self._project(x, cache["k"].shape[2] if "k" in cache else 0)
         k = cache_append(cache, "k", k, axis=2)  # (B, Hkv, T + Tn, dh): the un-repeated heads are what is stored
         v = cache_append(cache, "v", v, axis=2)

@@ -100,8 +100,8 @@ class AttentionImpl:
 
     def _attend_sdpa(self, q, k, v, mask) -> torch.Tensor:
         self.attn_weights = None
-        p = self.dropout.p if self.training else 0.0
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)  # (B, H, Tq, dv)
+        p, gqa = self.dropout.p if self.training else 0.0, k.shape[1] < q.shape[1]  # gqa: fewer key/value heads
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, enable_gqa=gqa)  # (B, H, Tq, dv)
 
 
 class MultiHeadAttention(AttentionImpl, MultiHeadAttentionDoor, Module):

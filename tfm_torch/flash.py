@@ -1,11 +1,6 @@
-"""FlashAttention by hand, PyTorch track: the same tiled forward and backward as tfm_numpy.flash.
-
-`flash_attention` is a `torch.autograd.Function`: its forward runs the tiles without recording a graph (so no
-(Tq, Tk) array is kept for autograd either), saves q, k, v, the output and the per-row log-sum-exp, and its
-backward recomputes each tile's probabilities from them (FlashAttention-2), as tfm_numpy.flash_attention_backward
-does. Masks: boolean, True = may attend, broadcasting to (..., Tq, Tk); a fully masked query row gives a zero
-output, zero gradients and lse = -inf.
-"""
+"""FlashAttention by hand, PyTorch track: the same tiled forward and backward as tfm_numpy.flash (see its docstring),
+as a `torch.autograd.Function`: its forward records no graph (no (Tq, Tk) array kept for autograd either) and saves
+q, k, v, the output and lse, from which its backward recomputes each tile's probabilities."""
 
 from __future__ import annotations
 

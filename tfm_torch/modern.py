@@ -4,7 +4,6 @@ position embedding, the SwiGLU feed-forward, grouped-query attention); autograd 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tfm_common.attention import GroupedQueryAttentionDoor, attention_repr, check_heads, check_kv_heads, check_rotary
@@ -127,10 +126,8 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
 
 
 class GroupedQueryAttention(AttentionImpl, GroupedQueryAttentionDoor, Module):
-    """Grouped-query self-attention, twin of tfm_numpy's: forward(x, mask, offset=0) -> (B, T, d); forward_step
-    with a cache of n_kv_heads heads; `rotary` rotates queries and keys. attention="flash" (tiled, as tfm_numpy's)
-    or "sdpa" (this track only: F.scaled_dot_product_attention with enable_gqa, the key/value heads not repeated;
-    attention dropout from torch's global generator) keep no weights; `use_attention(model, ...)` switches it."""
+    """Grouped-query self-attention, twin of tfm_numpy's; attention="sdpa" (this track only) takes the key/value heads
+    unrepeated (enable_gqa)."""
 
     _check_float, _check_mask = staticmethod(check_input), staticmethod(check_mask)  # the door's checks
 
@@ -185,14 +182,13 @@ class GroupedQueryAttention(AttentionImpl, GroupedQueryAttentionDoor, Module):
         return self.out_proj(self._merge(self._attend(q, k, v, mask)))  # (B, T, d)
 
     def forward_step(self, x: torch.Tensor, cache: dict, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """`forward` for new positions only; cache["k"], cache["v"] (B, Hkv, T, dh) grow by the new ones, in place
-        (`cache_append`: buffers of cache["capacity"] positions, allocated once)."""
+        """As tfm_numpy's: cache["k"], cache["v"] (B, Hkv, T, dh) grow by the new positions, in place."""
         q, k, v = self._project(x, cache["k"].shape[2] if "k" in cache else 0)
         k, v = cache_append(cache, "k", k, axis=2), cache_append(cache, "v", v, axis=2)  # (B, Hkv, T + Tn, dh)
         return self.out_proj(self._merge(self._attend(q, k, v, mask)))
 
     # The key/value heads come in unrepeated (B, Hkv, Tk, dh): repeated to the query heads for the kernels of
-    # AttentionImpl, passed as they are to torch's (enable_gqa).
+    # AttentionImpl, passed as they are to torch's (AttentionImpl._attend_sdpa: enable_gqa).
     def _attend_explicit(self, q, k, v, mask) -> torch.Tensor:
         n_rep = self.n_heads // self.n_kv_heads
         return super()._attend_explicit(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), mask)
@@ -200,12 +196,6 @@ class GroupedQueryAttention(AttentionImpl, GroupedQueryAttentionDoor, Module):
     def _attend_flash(self, q, k, v, mask) -> torch.Tensor:
         n_rep = self.n_heads // self.n_kv_heads
         return super()._attend_flash(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), mask)
-
-    def _attend_sdpa(self, q, k, v, mask) -> torch.Tensor:
-        self.attn_weights = None
-        p = self.dropout.p if self.training else 0.0
-        enable_gqa = self.n_kv_heads < self.n_heads
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, enable_gqa=enable_gqa)
 
     def extra_repr(self) -> str:
         rope = ", rotary" if self.rotary is not None else ""
