@@ -201,14 +201,7 @@ class MultiHeadAttention(AttentionImpl, MultiHeadAttentionDoor, Module):
     forward(query (B, Tq, d), key (B, Tk, d), value (B, Tk, d), mask) -> (B, Tq, d). The heads are a batch
     dimension: (B, T, d) -> (B, T, H, dk) -> (B, H, T, dk). After a forward, `attn_weights` holds the
     softmax weights (B, H, Tq, Tk) (before dropout; torch.nn.MultiheadAttention returns them after).
-
-    attention="flash" computes the heads with `flash_attention` in tiles of `tile_size` (the same numbers to
-    rounding, no (Tq, Tk) array kept: `attn_weights` stays None). It has no dropout on the attention weights, so
-    training with dropout > 0 is refused (eval mode, or dropout=0, is fine).
-
-    score_scale="d_model" divides the scores by sqrt(d_model) instead of sqrt(dk), a pitfall of chapter 16a: the
-    query projection is a `ScaledLinear` that multiplies its output by sqrt(dk / d_model) = 1/sqrt(H), so the
-    softmax runs at a temperature sqrt(H) times too low. The default "d_k" is the paper's (and changes nothing).
+    `attention` and `tile_size`: see `AttentionImpl`. score_scale="d_model" (chapter 16a): see `ScaledLinear`.
 
     backward(grad_out) returns (d_query, d_key, d_value). When one tensor fed several inputs, add its
     gradients: self-attention `dx = sum(mha.backward(g))`, cross-attention `d_memory = d_key + d_value`.
@@ -311,8 +304,8 @@ class MultiHeadAttention(AttentionImpl, MultiHeadAttentionDoor, Module):
 
 class ScaledLinear(Linear):
     """A pitfall of chapter 16a (score_scale="d_model") as a query projection: a Linear whose output is multiplied
-    by `scale` = 1/sqrt(H), so that the attention's 1/sqrt(dk) becomes 1/sqrt(d_model). Same parameters and
-    state_dict names as the Linear it stands for."""
+    by `scale` = 1/sqrt(H), so that the attention's 1/sqrt(dk) becomes 1/sqrt(d_model): the softmax runs at a
+    temperature sqrt(H) times too low. Same parameters and state_dict names as the Linear it stands for."""
 
     def __init__(self, *args, scale: float, **kwargs):
         super().__init__(*args, **kwargs)

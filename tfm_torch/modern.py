@@ -29,8 +29,7 @@ __all__ = [
 
 
 class RMSNorm(Module):
-    """x / sqrt(mean(x^2) + eps) * weight over the last dimension (twin of tfm_numpy's; the tests compare it with
-    torch.nn.RMSNorm). Written out to mirror tfm_numpy."""
+    """x / sqrt(mean(x^2) + eps) * weight over the last dimension, twin of tfm_numpy's (and of torch.nn.RMSNorm)."""
 
     def __init__(self, d: int, eps: float = 1e-6, *, dtype=None):
         super().__init__()
@@ -69,8 +68,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class RotaryEmbedding(Module):
-    """Rotary position embedding, twin of tfm_numpy's: forward(x (..., T, d_head), offset=0) rotates positions
-    offset .. offset + T - 1; `rotate(x, offset, inverse)`. The tables are non-persistent buffers (no state_dict)."""
+    """Rotary position embedding, twin of tfm_numpy's; the tables are non-persistent buffers (no state_dict)."""
 
     def __init__(self, d_head: int, max_len: int, base: float = 10000.0, *, dtype=None):
         super().__init__()
