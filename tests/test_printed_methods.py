@@ -29,7 +29,7 @@ OTHER_CHAPTERS_OPTIONS = {
     "tile_size",
     "block_size",
     "score_scale",
-    "_q_scale",
+    "q_scale",
     "head_projection",
     "dropout_place",
     "ff_dropout",

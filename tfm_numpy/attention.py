@@ -12,8 +12,15 @@ from typing import NamedTuple
 
 import numpy as np
 
+from tfm_common.attention import (
+    MultiHeadAttentionDoor,
+    attention_repr,
+    check_heads,
+    refuse_flash_dropout,
+    switch_attention,
+)
 from tfm_common.pitfalls import HEAD_PROJECTIONS, SCORE_SCALES
-from tfm_common.validate import check_choice, check_size, check_sizes
+from tfm_common.validate import check_choice, check_size
 
 from .flash import flash_attention, flash_attention_backward
 from .kv_cache import cache_append
@@ -188,24 +195,19 @@ class AttentionImpl:
         return flash_attention_backward(d_ctx, q, k, v, ctx, lse, mask, tile_size=self.tile_size)
 
 
-class MultiHeadAttention(AttentionImpl, Module):
+class MultiHeadAttention(AttentionImpl, MultiHeadAttentionDoor, Module):
     """Multi-head attention: project, split into heads, attend in each head, merge, project back.
 
     forward(query (B, Tq, d), key (B, Tk, d), value (B, Tk, d), mask) -> (B, Tq, d). The heads are a batch
     dimension: (B, T, d) -> (B, T, H, dk) -> (B, H, T, dk). After a forward, `attn_weights` holds the
     softmax weights (B, H, Tq, Tk) (before dropout; torch.nn.MultiheadAttention returns them after).
-
-    attention="flash" computes the heads with `flash_attention` in tiles of `tile_size` (the same numbers to
-    rounding, no (Tq, Tk) array kept: `attn_weights` stays None). It has no dropout on the attention weights, so
-    training with dropout > 0 is refused (eval mode, or dropout=0, is fine).
-
-    score_scale="d_model" divides the scores by sqrt(d_model) instead of sqrt(dk), a pitfall of chapter 16a: the
-    query projection is a `ScaledLinear` that multiplies its output by sqrt(dk / d_model) = 1/sqrt(H), so the
-    softmax runs at a temperature sqrt(H) times too low. The default "d_k" is the paper's (and changes nothing).
+    `attention` and `tile_size`: see `AttentionImpl`. score_scale="d_model" (chapter 16a): see `ScaledLinear`.
 
     backward(grad_out) returns (d_query, d_key, d_value). When one tensor fed several inputs, add its
     gradients: self-attention `dx = sum(mha.backward(g))`, cross-attention `d_memory = d_key + d_value`.
     """
+
+    _check_float, _check_mask = staticmethod(check_input), staticmethod(check_mask)  # the door's checks
 
     def __init__(
         self,
@@ -222,14 +224,11 @@ class MultiHeadAttention(AttentionImpl, Module):
     ):
         super().__init__()
         owner = type(self).__name__
-        d_model, n_heads = check_sizes(owner, d_model=d_model, n_heads=n_heads).values()
-        if d_model % n_heads != 0:
-            raise ValueError(f"{owner}: d_model={d_model} must be divisible by n_heads={n_heads}")
-        self.d_model, self.n_heads, self.d_head = d_model, n_heads, d_model // n_heads
+        self.d_model, self.n_heads, self.d_head = check_heads(owner, d_model, n_heads)
         self.attention, self.tile_size = check_attention(owner, attention, tile_size)
         self.score_scale = check_choice(owner, "score_scale", score_scale, SCORE_SCALES)
         # 1/sqrt(H) on the queries turns the 1/sqrt(dk) of the attention into 1/sqrt(d_model); None: the paper's
-        self._q_scale = None if score_scale == "d_k" else 1.0 / math.sqrt(n_heads)
+        self.q_scale = None if score_scale == "d_k" else 1.0 / math.sqrt(n_heads)
         dt, g = check_dtype(dtype), as_rng(rng)
         self._make_projections(d_model, bias, g, dt)
         self.out_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
@@ -245,9 +244,9 @@ class MultiHeadAttention(AttentionImpl, Module):
     def _query_projection(self, d: int, bias: bool, g, dt) -> Linear:
         """A (d -> d) Linear for the queries; for chapter 16a's score_scale="d_model", one that scales its output by
         1/sqrt(H) (the scores then divide by sqrt(d_model), not sqrt(dk)): same weights, same state_dict key."""
-        if self._q_scale is None:
+        if self.q_scale is None:
             return Linear(d, d, bias, rng=g, dtype=dt)
-        return ScaledLinear(d, d, bias, rng=g, dtype=dt, scale=self._q_scale)
+        return ScaledLinear(d, d, bias, rng=g, dtype=dt, scale=self.q_scale)
 
     def _split(self, x: np.ndarray) -> np.ndarray:
         """(B, T, d) -> (B, H, T, dk). The transpose matters: a bare reshape to (B, H, T, dk) mixes positions."""
@@ -258,30 +257,6 @@ class MultiHeadAttention(AttentionImpl, Module):
         """(B, H, T, dk) -> (B, T, d): the inverse of `_split`."""
         B, _, T, _ = x.shape
         return x.transpose(0, 2, 1, 3).reshape(B, T, self.d_model)
-
-    def _check_forward(self, query, key, value, mask=None) -> None:
-        """At the door, before anything is projected, cached or stored (a refused call changes nothing)."""
-        self._check_inputs(query, key, value)
-        check_attention_call("MultiHeadAttention", self, query.shape[0], query.shape[1], key.shape[1], mask)
-
-    def _check_forward_step(self, query, key, value, cache: dict, mask=None, *, static: bool = False) -> None:
-        self._check_inputs(query, key, value)
-        cached = cache["k"].shape[2] if "k" in cache else 0  # positions (or, static, memory keys) already there
-        keys = cached if static and "k" in cache else cached + key.shape[1]
-        check_attention_call("MultiHeadAttention", self, query.shape[0], query.shape[1], keys, mask, cache)
-
-    def _check_inputs(self, query, key, value) -> None:
-        dt = self.q_proj.weight.dtype
-        for arg, x in (("query", query), ("key", key), ("value", value)):
-            check_input(f"MultiHeadAttention: {arg}", x, last_dim=self.d_model, dtype=dt)
-            if x.ndim != 3:
-                raise ValueError(f"MultiHeadAttention: {arg} must be (B, T, d_model), got shape {x.shape}")
-        if not query.shape[0] == key.shape[0] == value.shape[0]:
-            raise ValueError(
-                f"MultiHeadAttention: batch sizes differ: query {query.shape}, key {key.shape}, value {value.shape}"
-            )
-        if key.shape[1] != value.shape[1]:
-            raise ValueError(f"MultiHeadAttention: key and value lengths differ: key {key.shape}, value {value.shape}")
 
     def forward(self, query: np.ndarray, key: np.ndarray, value: np.ndarray, mask: np.ndarray | None = None):
         q = self._split(self.q_proj(query))  # (B, H, Tq, dk)
@@ -323,15 +298,14 @@ class MultiHeadAttention(AttentionImpl, Module):
         return self.out_proj(self._merge(ctx))  # (B, Tn, d)
 
     def extra_repr(self) -> str:
-        flash = f", attention='flash', tile_size={self.tile_size}" if self.attention == "flash" else ""
         scale = ", score_scale='d_model'" if self.score_scale == "d_model" else ""
-        return f"d_model={self.d_model}, n_heads={self.n_heads}{flash}{scale}"
+        return f"d_model={self.d_model}, n_heads={self.n_heads}{attention_repr(self)}{scale}"
 
 
 class ScaledLinear(Linear):
     """A pitfall of chapter 16a (score_scale="d_model") as a query projection: a Linear whose output is multiplied
-    by `scale` = 1/sqrt(H), so that the attention's 1/sqrt(dk) becomes 1/sqrt(d_model). Same parameters and
-    state_dict names as the Linear it stands for."""
+    by `scale` = 1/sqrt(H), so that the attention's 1/sqrt(dk) becomes 1/sqrt(d_model): the softmax runs at a
+    temperature sqrt(H) times too low. Same parameters and state_dict names as the Linear it stands for."""
 
     def __init__(self, *args, scale: float, **kwargs):
         super().__init__(*args, **kwargs)
@@ -394,30 +368,6 @@ def make_attention(head_projection: str, d_model: int, n_heads: int, dropout: fl
     return cls(d_model, n_heads, dropout, **kwargs)
 
 
-def refuse_flash_dropout(owner: str, module) -> None:
-    """The tiled kernel has no dropout on the weights: a module training with attention dropout is refused rather
-    than silently trained without."""
-    if module.attention == "flash" and module.training and module.dropout.p > 0:
-        raise ValueError(
-            f"{owner}: attention='flash' has no dropout on the attention weights, got dropout="
-            f"{module.dropout.p} in training mode; use dropout=0.0, eval(), or attention='explicit'"
-        )
-
-
-def check_attention_call(owner: str, module, batch: int, tq: int, tk: int, mask, cache: dict | None = None) -> None:
-    """What an attention module checks at its door, before it projects, caches or stores anything, so that a refused
-    call changes nothing (a backward after it still differentiates the last good forward): the mask against the
-    scores' shape (B, H, Tq, Tk), the rows of a decoding cache, and the tiled kernel's refusal of attention dropout."""
-    if cache is not None and "k" in cache and cache["k"].shape[0] != batch:
-        raise ValueError(
-            f"{owner}: the cache holds {cache['k'].shape[0]} rows, the input has {batch}; start a new cache for a "
-            "new batch (or reorder it with reorder_cache)"
-        )
-    if mask is not None:
-        check_mask(mask, (batch, module.n_heads, tq, tk))
-    refuse_flash_dropout(owner, module)
-
-
 def check_attention(owner: str, attention, tile_size) -> tuple[str, int]:
     """The attention option: "explicit" (weights formed, kept for inspection) or "flash" (tiled), and its tile."""
     if attention == "sdpa":  # the torch track's third choice, named so that the refusal says where it lives
@@ -431,11 +381,5 @@ def use_attention(model, attention: str = "explicit", tile_size: int = 64):
     GroupedQueryAttention) to `attention` ("explicit" or "flash") with `tile_size`; returns the model. The weights
     are untouched: only how the heads compute softmax(q k^T / sqrt(dk)) v."""
     attention, tile_size = check_attention("use_attention", attention, tile_size)
-    switched = 0
-    for _, m in model.named_modules():
-        if isinstance(m, AttentionImpl):
-            m.attention, m.tile_size = attention, tile_size
-            switched += 1
-    if not switched:  # nothing would change: say so rather than return the model as it was
-        raise ValueError(f"use_attention: {type(model).__name__} has no attention module to switch to {attention!r}")
-    return model
+    modules = [m for _, m in model.named_modules() if isinstance(m, AttentionImpl)]
+    return switch_attention(model, modules, attention, tile_size)

@@ -181,6 +181,3 @@ def _next_logits(model, tgt: np.ndarray, memory: np.ndarray, src_mask: np.ndarra
     if cache["lean"] is not None:
         return cache["lean"](tgt[:, -1], memory, src_mask, cache)  # (B, V)
     return model.decode_step(tgt[:, -1:], memory, src_mask, cache)[:, -1]  # the new token only
-
-
-# -- eval mode ----------------------------------------------------------------------------------------------------

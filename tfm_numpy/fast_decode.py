@@ -2,18 +2,14 @@
 its bookkeeping. `greedy_decode` and `beam_search` (decoding.py) run their cached steps through it when `lean_fits`
 says it computes what decode_step would (to rounding); decode_step otherwise.
 
-`Transformer.decode_step` is written to be read and to be safe anywhere: every module checks its inputs, the
-outermost call copies the caller's arrays, every layer works on (B, T, d) for any T, and the three projections of
-the self-attention are three Linear calls. For one new token of a small model that bookkeeping, not the
-arithmetic, sets the time of a cached step (benchmarks/bench.py, section "decode"). The two searches feed the
-model inputs they made themselves, checked once at the start, so they run the same arithmetic through `LeanStep`:
-one token per row, no checks or copies per token, q, k and v of the new token from ONE matmul with the weights
-concatenated once per search (not parameters: the state_dict is unchanged), the memory's keys and values
-projected once, the new keys and values written straight into the cache's buffers, the activations feature-major
-(d, B) so that every projection is W @ x (see the class). The cache keeps its layout (B, H, T, dk), so
-`reorder_cache` (beam search) and `decode_step` read it as before, and the logits are decode_step's to rounding
-(tests/test_lean_step.py). What it does not cover takes `decode_step`: training mode, tiled attention, the
-shared head projections of chapter 16a, a cache that concatenates, a source row that is all padding.
+decode_step checks every module's inputs, copies the caller's arrays, works on (B, T, d) for any T and runs three
+Linear calls for q, k, v: for one new token of a small model that bookkeeping sets the time of a step
+(benchmarks/bench.py, section "decode"). The searches' inputs are their own, checked once, so `LeanStep` runs the
+same arithmetic without it: q, k, v from ONE matmul with weights stacked once per search (the state_dict is
+unchanged), the memory's keys and values projected once, the new ones written straight into the cache's buffers
+(layout (B, H, T, dk), so `reorder_cache` and decode_step read it as before), activations feature-major (d, B).
+What it does not cover takes `decode_step`: training mode, tiled attention, the shared head projections of chapter
+16a, a cache that concatenates, a source row that is all padding.
 """
 
 from __future__ import annotations
@@ -58,11 +54,9 @@ class LeanStep:
 
     Inside, the activations are feature-major, x (d, B), a column per row of the batch, and every projection is
     W @ x with W as the Linear stores it, (d_out, d_in): with a handful of rows OpenBLAS is faster at W @ x than at
-    x @ W^T (its kernels fill whole register tiles along the long side; the (V, d) @ (d, B) logits take about half
-    the time). The biases and the LayerNorms' weights are repeated to (d_out, B) at the first step: adding a whole
-    matrix is several times cheaper for NumPy than broadcasting a column over 8 columns. Only the rounding differs
-    from decode_step's (tests/test_lean_step.py). With batch 8 (benchmarks/bench.py, section "decode", 1 BLAS
-    thread) the step measured about 1.2x faster than with row-major activations and x @ W^T."""
+    x @ W^T (its kernels fill whole register tiles along the long side). The biases and the LayerNorms' weights are
+    repeated to (d_out, B) at the first step: adding a whole matrix is cheaper for NumPy than broadcasting a column.
+    Only the rounding differs from decode_step's (tests/test_lean_step.py)."""
 
     def __init__(self, model):
         self.model, self.layers = model, list(model.decoder.layers)
@@ -81,9 +75,9 @@ class LeanStep:
         for layer in self.layers:
             sa, ca, ff = layer.self_attn, layer.cross_attn, layer.ff
             w = {
-                "qkv": _fused(sa, ("q_proj", "k_proj", "v_proj"), bias),  # (3d, d): q, k and v in one matmul
-                "q": _fused(ca, ("q_proj",), bias),  # the cross-attention's queries
-                "kv": _fused(ca, ("k_proj", "v_proj"), None),  # the memory's keys and values, once
+                "qkv": _stacked_weights(sa, ("q_proj", "k_proj", "v_proj"), bias),  # (3d, d): q, k, v in one matmul
+                "q": _stacked_weights(ca, ("q_proj",), bias),  # the cross-attention's queries
+                "kv": _stacked_weights(ca, ("k_proj", "v_proj"), None),  # the memory's keys and values, once
                 "sa_out": bias.linear(sa.out_proj),
                 "ca_out": bias.linear(ca.out_proj),
                 "ff1": bias.linear(ff.linear1),
@@ -105,7 +99,7 @@ class LeanStep:
         real = token != m.pad_id  # (B,): False for the padding fed to the rows already done
         keep = append_position(cache, "keep", real[:, None, None, None], 3, t0)  # (B, 1, 1, T)
         self.padded = self.padded or (m.tgt_padding_mask and not real.all())
-        hidden = ~keep if self.padded else None  # padded target keys, once there are any (the causal mask: none)
+        masked_keys = ~keep if self.padded else None  # padded target keys, once there are any (the causal mask: none)
         y = m.tgt_embed.weight.data[token]  # (B, d): one row per new token
         if m._in_scale is not None:
             y *= m._in_scale
@@ -113,9 +107,9 @@ class LeanStep:
         x = y.T  # (d, B): feature-major from here on
         if self.embed_norm is not None:
             x = self._norm(self.embed_norm, x)
-        src_hidden = ~src_mask if self.src_padded else None  # (B, 1, 1, S)
+        src_masked_keys = ~src_mask if self.src_padded else None  # (B, 1, 1, S)
         for i, layer in enumerate(self.layers):
-            x = self._layer(self.w[i], layer, x, memory, cache["layers"][i], hidden, src_hidden, t0)
+            x = self._layer(self.w[i], layer, x, memory, cache["layers"][i], masked_keys, src_masked_keys, t0)
         if self.final_norm is not None:
             x = self._norm(self.final_norm, x)
         logits = m.output_projection.weight.data @ x  # (V, B): the new position only
@@ -124,25 +118,25 @@ class LeanStep:
         cache["length"] = t0 + 1
         return logits.T  # (B, V), a view
 
-    def _layer(self, w, layer, x, memory, cache, hidden, src_hidden, t0):
+    def _layer(self, w, layer, x, memory, cache, masked_keys, src_masked_keys, t0):
         """DecoderLayer.forward_step in eval mode (dropout is the identity), x (d, B)."""
         sa, ca, norm = layer.self_attn, layer.cross_attn, self._norm
         if layer.norm_first:
-            x = x + self._self_attn(w, sa, norm(w["norm1"], x), cache["self_attn"], hidden, t0)
-            x = x + self._cross_attn(w, ca, norm(w["norm2"], x), memory, cache["cross_attn"], src_hidden)
+            x = x + self._self_attn(w, sa, norm(w["norm1"], x), cache["self_attn"], masked_keys, t0)
+            x = x + self._cross_attn(w, ca, norm(w["norm2"], x), memory, cache["cross_attn"], src_masked_keys)
             return x + self._ffn(w, layer.ff, norm(w["norm3"], x))
-        x = norm(w["norm1"], x + self._self_attn(w, sa, x, cache["self_attn"], hidden, t0))
-        x = norm(w["norm2"], x + self._cross_attn(w, ca, x, memory, cache["cross_attn"], src_hidden))
+        x = norm(w["norm1"], x + self._self_attn(w, sa, x, cache["self_attn"], masked_keys, t0))
+        x = norm(w["norm2"], x + self._cross_attn(w, ca, x, memory, cache["cross_attn"], src_masked_keys))
         return norm(w["norm3"], x + self._ffn(w, layer.ff, x))
 
-    def _self_attn(self, w, attn, x, cache, hidden, t0):
+    def _self_attn(self, w, attn, x, cache, masked_keys, t0):
         H, dk, B = attn.n_heads, attn.d_head, x.shape[1]
         qkv = np.ascontiguousarray(_affine(w["qkv"], x).T).reshape(B, 3, H, 1, dk)  # each head's q, k, v (1, dk)
         k = append_position(cache, "k", qkv[:, 1], 2, t0)  # (B, H, T, dk), written into the buffer
         v = append_position(cache, "v", qkv[:, 2], 2, t0)
-        return _affine(w["sa_out"], _attend(qkv[:, 0], k, v, hidden))
+        return _affine(w["sa_out"], _attend(qkv[:, 0], k, v, masked_keys))
 
-    def _cross_attn(self, w, attn, x, memory, cache, src_hidden):
+    def _cross_attn(self, w, attn, x, memory, cache, src_masked_keys):
         H, dk, B = attn.n_heads, attn.d_head, x.shape[1]
         if "k" not in cache:  # the first step: the memory's keys and values (B, H, S, dk), for every later step
             S, (wkv, bkv) = memory.shape[1], w["kv"]
@@ -152,7 +146,7 @@ class LeanStep:
             kv = kv.reshape(B, S, 2, H, dk).transpose(2, 0, 3, 1, 4)
             cache["k"], cache["v"] = np.ascontiguousarray(kv[0]), np.ascontiguousarray(kv[1])
         q = np.ascontiguousarray(_affine(w["q"], x).T).reshape(B, H, 1, dk)
-        return _affine(w["ca_out"], _attend(q, cache["k"], cache["v"], src_hidden))
+        return _affine(w["ca_out"], _attend(q, cache["k"], cache["v"], src_masked_keys))
 
     @staticmethod
     def _ffn(w, ff, x: np.ndarray) -> np.ndarray:
@@ -187,18 +181,18 @@ class _Repeat:
         return None if b is None else np.repeat(b[:, None], self.B, axis=1)  # (n,) -> (n, B)
 
     def linear(self, lin) -> tuple[np.ndarray, np.ndarray | None]:
-        return lin.weight.data, self(_data(lin.bias))  # (d_out, d_in), (d_out, B)
+        return lin.weight.data, self(None if lin.bias is None else lin.bias.data)  # (d_out, d_in), (d_out, B)
 
     def norm(self, ln) -> tuple[np.ndarray, np.ndarray, float]:
         return self(ln.weight.data), self(ln.bias.data), ln.eps
 
 
-def _fused(attn, names: tuple[str, ...], bias) -> tuple[np.ndarray, np.ndarray | None]:
+def _stacked_weights(attn, names: tuple[str, ...], bias) -> tuple[np.ndarray, np.ndarray | None]:
     """The projections `names` of `attn` stacked: one (n * d_out, d_in) matrix and one bias, the bias repeated by
     `bias` (a _Repeat, or None: a plain vector). The query projection comes out times 1/sqrt(dk) (and
     score_scale's 1/sqrt(H)): the scores need no scaling after."""
     projs = [getattr(attn, n) for n in names]
-    scale = (1.0 if attn._q_scale is None else attn._q_scale) / math.sqrt(attn.d_head)
+    scale = (1.0 if attn.q_scale is None else attn.q_scale) / math.sqrt(attn.d_head)
     scales = [scale if n == "q_proj" else 1.0 for n in names]
     w = np.concatenate([p.weight.data * c for p, c in zip(projs, scales, strict=True)], axis=0)  # (n * d, d)
     if all(p.bias is None for p in projs):
@@ -206,10 +200,6 @@ def _fused(attn, names: tuple[str, ...], bias) -> tuple[np.ndarray, np.ndarray |
     zeros = np.zeros(projs[0].out_features, w.dtype)
     b = np.concatenate([zeros if p.bias is None else p.bias.data * c for p, c in zip(projs, scales, strict=True)])
     return w, b if bias is None else bias(b)
-
-
-def _data(p):
-    return None if p is None else p.data
 
 
 def _affine(wb: tuple[np.ndarray, np.ndarray | None], x: np.ndarray) -> np.ndarray:
@@ -222,12 +212,12 @@ def _affine(wb: tuple[np.ndarray, np.ndarray | None], x: np.ndarray) -> np.ndarr
     return y
 
 
-def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, hidden: np.ndarray | None) -> np.ndarray:
-    """One query per row and head: q (B, H, 1, dk) already scaled, k, v (B, H, T, dk), hidden (B, 1, 1, T) True
+def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, masked_keys: np.ndarray | None) -> np.ndarray:
+    """One query per row and head: q (B, H, 1, dk) already scaled, k, v (B, H, T, dk), masked_keys (B, 1, 1, T) True
     where a key may not be seen (no row hides all) -> the heads' outputs merged, (d, B): softmax(q k^T) v."""
     s = q @ k.transpose(0, 1, 3, 2)  # (B, H, 1, T): the scores
-    if hidden is not None:
-        np.copyto(s, -np.inf, where=hidden)
+    if masked_keys is not None:
+        np.copyto(s, -np.inf, where=masked_keys)
     s -= np.maximum.reduce(s, axis=-1, keepdims=True)  # exp(s - max) as in attention_weights, in place
     np.exp(s, out=s)
     ctx = s @ v  # (B, H, 1, dk): the weighted sum before normalizing,

@@ -27,24 +27,13 @@ import math
 
 import numpy as np
 
+from tfm_common.attention import mask_tile, tiles
 from tfm_common.validate import check_size
 
 from .masks import check_qkv
 from .module import at_the_door, check_grad
 
 __all__ = ["flash_attention", "flash_attention_backward", "flash_attention_counts"]
-
-
-def _tiles(n: int, size: int) -> list[slice]:
-    """[0:size], [size:2 size], ...: the blocks of an axis of length n (the last one may be shorter)."""
-    return [slice(s, min(s + size, n)) for s in range(0, n, size)]
-
-
-def _mask_tile(mask, rows: slice, cols: slice):
-    """The mask's (..., Br, Bc) tile; an axis of size 1 (broadcast) is kept whole. None: no mask."""
-    if mask is None:
-        return None
-    return mask[..., rows if mask.shape[-2] > 1 else slice(None), cols if mask.shape[-1] > 1 else slice(None)]
 
 
 def _prepare(name: str, q, k, v, mask, tile_size):
@@ -78,7 +67,7 @@ def flash_attention(q, k, v, mask=None, *, tile_size: int = 64):
     scale = 1.0 / math.sqrt(q.shape[-1])  # a python float: float32 stays float32
     out = np.empty((*q.shape[:-1], v.shape[-1]), dtype=q.dtype)  # (..., Tq, dv)
     lse = np.empty(q.shape[:-1], dtype=q.dtype)  # (..., Tq)
-    for rows in _tiles(q.shape[-2], tile):
+    for rows in tiles(q.shape[-2], tile):
         q_i = q[..., rows, :]  # (..., Br, dk): read once
         out[..., rows, :], lse[..., rows] = _forward_rows(q_i, k, v, mask, rows, tile, scale)
     return out, lse
@@ -89,8 +78,8 @@ def _forward_rows(q_i, k, v, mask, rows: slice, tile: int, scale: float):
     m = np.full((*q_i.shape[:-1], 1), -np.inf, dtype=q_i.dtype)  # (..., Br, 1): the row max so far
     l = np.zeros_like(m)  # (..., Br, 1): sum of exp(s - m) so far  # noqa: E741
     acc = np.zeros((*q_i.shape[:-1], v.shape[-1]), dtype=q_i.dtype)  # (..., Br, dv): sum of exp(s - m) v so far
-    for cols in _tiles(k.shape[-2], tile):
-        m_ij = _mask_tile(mask, rows, cols)
+    for cols in tiles(k.shape[-2], tile):
+        m_ij = mask_tile(mask, rows, cols)
         if m_ij is not None and not m_ij.any():  # nothing allowed in this tile (causal: above the diagonal)
             continue
         k_j, v_j = k[..., cols, :], v[..., cols, :]  # (..., Bc, dk), (..., Bc, dv)
@@ -131,10 +120,10 @@ def flash_attention_backward(grad_out, q, k, v, out, lse, mask=None, *, tile_siz
     big_d = (grad_out * out).sum(axis=-1, keepdims=True)  # (..., Tq, 1): D_i = rowsum(dO * O) = rowsum(dP * P)
     lse_safe = np.where(np.isfinite(lse), lse, 0)[..., None]  # (..., Tq, 1); rows with lse = -inf have P = 0
     dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
-    for cols in _tiles(k.shape[-2], tile):  # outer loop over keys: dK_j, dV_j accumulate in one place
+    for cols in tiles(k.shape[-2], tile):  # outer loop over keys: dK_j, dV_j accumulate in one place
         k_j, v_j = k[..., cols, :], v[..., cols, :]
-        for rows in _tiles(q.shape[-2], tile):
-            m_ij = _mask_tile(mask, rows, cols)
+        for rows in tiles(q.shape[-2], tile):
+            m_ij = mask_tile(mask, rows, cols)
             if m_ij is not None and not m_ij.any():
                 continue
             q_i, do_i = q[..., rows, :], grad_out[..., rows, :]
@@ -170,7 +159,7 @@ def flash_attention_counts(q, k, v, mask=None, *, tile_size: int = 64) -> dict[s
     for view, name in zip(views, "qkv", strict=True):
         view.counts, view.name = counts, name
     out, _ = flash_attention(*views, mask, tile_size=tile_size)
-    tiles = counts["k", "slices"]
+    computed = counts["k", "slices"]
     every = math.ceil(q.shape[-2] / tile_size) * math.ceil(k.shape[-2] / tile_size)
-    return {"q": counts["q"], "k": counts["k"], "v": counts["v"], "o": out.size, "tiles": tiles,
-            "tiles_skipped": every - tiles}  # fmt: skip
+    return {"q": counts["q"], "k": counts["k"], "v": counts["v"], "o": out.size, "tiles": computed,
+            "tiles_skipped": every - computed}  # fmt: skip

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from tfm_common.validate import check_real, check_size, check_sizes
+from tfm_common.attention import GroupedQueryAttentionDoor, attention_repr, check_heads, check_kv_heads, check_rotary
+from tfm_common.validate import check_positions, check_real, check_size, check_sizes
 
-from .attention import AttentionImpl, check_attention, check_attention_call
+from .attention import AttentionImpl, check_attention
 from .kv_cache import cache_append
 from .layers import Dropout, Linear
+from .masks import check_mask
 from .module import Module, Parameter, as_rng, check_dtype, check_input
 
 __all__ = [
@@ -131,9 +133,7 @@ class RotaryEmbedding(Module):
         check_input("RotaryEmbedding", x, ndim_min=2, last_dim=self.d_head, dtype=self.dtype)
         T = x.shape[-2]
         offset = check_size("RotaryEmbedding", "offset", offset, minimum=0)
-        if offset + T > self.max_len:
-            start = f" starting at position {offset}" if offset else ""
-            raise ValueError(f"RotaryEmbedding: sequence length {T}{start} exceeds max_len {self.max_len}")
+        check_positions("RotaryEmbedding", T, offset, self.max_len)
         sin = self.sin[offset : offset + T]
         return apply_rope(x, self.cos[offset : offset + T], -sin if inverse else sin)
 
@@ -204,36 +204,24 @@ class SwiGLUFeedForward(Module):
 # -- grouped-query attention -----------------------------------------------------------------------------------------
 
 
-def check_kv_heads(owner: str, n_heads: int, n_kv_heads) -> int:
-    """n_kv_heads (None: n_heads) must divide n_heads: each key/value head serves n_heads / n_kv_heads query heads."""
-    if n_kv_heads is None:
-        return n_heads
-    n_kv_heads = check_size(owner, "n_kv_heads", n_kv_heads)
-    if n_heads % n_kv_heads:
-        raise ValueError(f"{owner}: n_heads={n_heads} must be divisible by n_kv_heads={n_kv_heads}")
-    return n_kv_heads
-
-
 def repeat_kv(x: np.ndarray, n_rep: int) -> np.ndarray:
     """(B, Hkv, T, d) -> (B, Hkv * n_rep, T, d): key/value head j serves query heads j n_rep .. (j + 1) n_rep - 1
     (torch's enable_gqa layout). Its backward sums each group: grad.reshape(B, Hkv, n_rep, T, d).sum(axis=2)."""
     return x if n_rep == 1 else np.repeat(x, n_rep, axis=1)
 
 
-class GroupedQueryAttention(AttentionImpl, Module):
+class GroupedQueryAttention(AttentionImpl, GroupedQueryAttentionDoor, Module):
     """Causal-or-not self-attention with n_kv_heads key/value heads shared by n_heads query heads (Ainslie et al.,
     2023); n_kv_heads = n_heads is multi-head attention, 1 is multi-query attention (Shazeer, 2019).
 
     forward(x (B, T, d), mask, offset=0) -> (B, T, d); backward(dy) -> dx. Projections q_proj (d -> d), k_proj and
-    v_proj (d -> n_kv_heads d_head), out_proj (d -> d): with n_kv_heads = n_heads the same keys and shapes as
-    MultiHeadAttention, and the same function (the tests load one into the other). `rotary` (a RotaryEmbedding for
-    d_head, or None) rotates queries and keys at positions offset .. offset + T - 1, after the projection and the
-    split into heads. The key/value cache of `forward_step` holds n_kv_heads heads: n_heads / n_kv_heads times
-    smaller than multi-head attention's. After a forward, `attn_weights` holds (B, H, T, T) (before dropout).
-    attention="flash" computes the heads in tiles of `tile_size` (chapter 15b's `flash_attention`, on the repeated
-    key/value heads), without attention dropout and without keeping the weights; `use_attention(model, ...)`
-    switches it.
+    v_proj (d -> n_kv_heads d_head), out_proj (d -> d): with n_kv_heads = n_heads MultiHeadAttention's keys, shapes
+    and function. `rotary` (a RotaryEmbedding for d_head, or None) rotates queries and keys at positions offset ..
+    offset + T - 1, after the split into heads. The cache of `forward_step` holds n_kv_heads heads. `attention` as
+    MultiHeadAttention's (the tiled kernel runs on the repeated key/value heads).
     """
+
+    _check_float, _check_mask = staticmethod(check_input), staticmethod(check_mask)  # the door's checks
 
     def __init__(
         self,
@@ -251,13 +239,9 @@ class GroupedQueryAttention(AttentionImpl, Module):
     ):
         super().__init__()
         owner = "GroupedQueryAttention"
-        check_sizes(owner, d_model=d_model, n_heads=n_heads)
-        if d_model % n_heads:
-            raise ValueError(f"{owner}: d_model={d_model} must be divisible by n_heads={n_heads}")
-        self.d_model, self.n_heads, self.d_head = d_model, n_heads, d_model // n_heads
+        self.d_model, self.n_heads, self.d_head = check_heads(owner, d_model, n_heads)
         self.n_kv_heads = check_kv_heads(owner, n_heads, n_kv_heads)
-        if rotary is not None and (not isinstance(rotary, RotaryEmbedding) or rotary.d_head != self.d_head):
-            raise ValueError(f"{owner}: rotary expected a RotaryEmbedding with d_head={self.d_head}, got {rotary!r}")
+        check_rotary(owner, rotary, self.d_head, RotaryEmbedding)
         dt, g = check_dtype(dtype), as_rng(rng)
         d_kv = self.n_kv_heads * self.d_head
         self.q_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
@@ -280,22 +264,6 @@ class GroupedQueryAttention(AttentionImpl, Module):
         return x.transpose(0, 2, 1, 3).reshape(B, T, n * self.d_head)
 
     # -- the door: a caller's arguments, checked before anything is projected, cached or stored ----------------------
-
-    def _check_x(self, x) -> None:
-        check_input("GroupedQueryAttention: x", x, ndim_min=3, last_dim=self.d_model, dtype=self.q_proj.weight.dtype)
-        if x.ndim != 3:
-            raise ValueError(f"GroupedQueryAttention: x must be (B, T, d_model), got shape {x.shape}")
-
-    def _check_forward(self, x, mask=None, offset=0) -> None:
-        self._check_x(x)
-        check_attention_call("GroupedQueryAttention", self, x.shape[0], x.shape[1], x.shape[1], mask)
-
-    def _check_forward_step(self, x, cache, mask=None) -> None:
-        self._check_x(x)
-        keys = (cache["k"].shape[2] if "k" in cache else 0) + x.shape[1]  # the cached positions and the new ones
-        check_attention_call("GroupedQueryAttention", self, x.shape[0], x.shape[1], keys, mask, cache)
-
-    # -- forward and backward ------------------------------------------------------------------------------------------
 
     def _project(self, x: np.ndarray, offset: int):
         """Queries (B, H, T, dh), keys and values (B, Hkv, T, dh), queries and keys rotated if RoPE is on."""
@@ -337,10 +305,8 @@ class GroupedQueryAttention(AttentionImpl, Module):
 
     def forward_step(self, x: np.ndarray, cache: dict, mask: np.ndarray | None = None) -> np.ndarray:
         """`forward` for new positions x (B, Tn, d) only (inference: no backward). cache["k"], cache["v"]
-        (B, Hkv, T, dh) hold every earlier position's keys and values (rotated at their own positions); the new
-        ones are appended in place (`cache_append`: buffers of cache["capacity"] positions, allocated once). The new
-        positions start at T (the cache's length), where RoPE rotates them. `mask` covers all keys so far,
-        (B or 1, 1, Tn, T + Tn)."""
+        (B, Hkv, T, dh) hold the earlier positions' keys and values (rotated at their positions); the new ones, rotated
+        at T.., are appended in place (`cache_append`). `mask` covers all keys so far, (B or 1, 1, Tn, T + Tn)."""
         q, k, v = self._project(x, cache["k"].shape[2] if "k" in cache else 0)
         k = cache_append(cache, "k", k, axis=2)  # (B, Hkv, T + Tn, dh): the un-repeated heads are what is stored
         v = cache_append(cache, "v", v, axis=2)
@@ -351,5 +317,6 @@ class GroupedQueryAttention(AttentionImpl, Module):
 
     def extra_repr(self) -> str:
         rope = ", rotary" if self.rotary is not None else ""
-        flash = f", attention='flash', tile_size={self.tile_size}" if self.attention == "flash" else ""
-        return f"d_model={self.d_model}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}{rope}{flash}"
+        return (
+            f"d_model={self.d_model}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}{rope}{attention_repr(self)}"
+        )

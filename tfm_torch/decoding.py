@@ -1,9 +1,5 @@
-"""Decoding, PyTorch track: the same functions, arguments and conventions as tfm_numpy.decoding (see its
-docstring): greedy search and beam search with the GNMT length penalty (the key/value cache: kv_cache.py).
-
-Inference only: every function runs under `torch.no_grad()` with the model in eval mode (restored after).
-Tokens are int64 tensors on the model's device; the same weights give the same tokens as the NumPy track.
-"""
+"""Decoding, PyTorch track: the functions, arguments and conventions of tfm_numpy.decoding (see its docstring), under
+`torch.no_grad()`. Tokens are int64 tensors on the model's device; the same weights give the NumPy track's tokens."""
 
 from __future__ import annotations
 
@@ -33,10 +29,7 @@ def length_penalty(length, alpha: float = 0.6):
 
 @torch.no_grad()
 def greedy_decode(model, src: torch.Tensor, bos_id: int, eos_id: int, max_len: int, use_cache: bool = True):
-    """The most probable next token at every step, until every row has produced eos or `max_len` tokens.
-
-    src (B, S) ids -> tokens (B, L), L <= max_len, without the bos; `model.pad_id` after each row's eos.
-    """
+    """Greedy search as tfm_numpy.greedy_decode: src (B, S) ids -> tokens (B, L), without the bos."""
     check_search_args("greedy_decode", model, bos_id, eos_id, max_len)
     with eval_mode(model):
         memory, src_mask = model.encode(src)  # once: every step reads the same memory
@@ -68,11 +61,8 @@ def beam_search(
     *,
     return_scores: bool = False,
 ):
-    """Beam search: the best output per source by log p(Y | X) / length_penalty(|Y|, alpha), the algorithm of
-    tfm_numpy.beam_search step for step (B * beam_size rows; the 2K best candidates; eos among the first K
-    completes a hypothesis; the K best complete ones are kept, and a source is done when the worst of them scores
-    at least the best live beam's log p / length_penalty(t, alpha): exact for alpha = 0, a heuristic bound for
-    alpha > 0). Returns tokens (B, L), and with return_scores=True also scores (B,) float64."""
+    """Beam search, tfm_numpy.beam_search step for step: tokens (B, L), and with return_scores=True also scores (B,)
+    float64."""
     K = check_search_args("beam_search", model, bos_id, eos_id, max_len, beam_size=beam_size, alpha=alpha)
     with eval_mode(model):
         memory, src_mask = model.encode(src)
@@ -154,6 +144,3 @@ def _next_logits(model, tgt, memory, src_mask, cache: dict | None) -> torch.Tens
     if cache is None:
         return model.decode(tgt, memory, src_mask)[:, -1]  # the whole prefix again
     return model.decode_step(tgt[:, -1:], memory, src_mask, cache)[:, -1]  # the new token only
-
-
-# -- eval mode ----------------------------------------------------------------------------------------------------

@@ -1,11 +1,6 @@
-"""FlashAttention by hand, PyTorch track: the same tiled forward and backward as tfm_numpy.flash.
-
-`flash_attention` is a `torch.autograd.Function`: its forward runs the tiles without recording a graph (so no
-(Tq, Tk) array is kept for autograd either), saves q, k, v, the output and the per-row log-sum-exp, and its
-backward recomputes each tile's probabilities from them (FlashAttention-2), as tfm_numpy.flash_attention_backward
-does. Masks: boolean, True = may attend, broadcasting to (..., Tq, Tk); a fully masked query row gives a zero
-output, zero gradients and lse = -inf.
-"""
+"""FlashAttention by hand, PyTorch track: the same tiled forward and backward as tfm_numpy.flash (see its docstring),
+as a `torch.autograd.Function`: its forward records no graph (no (Tq, Tk) array kept for autograd either) and saves
+q, k, v, the output and lse, from which its backward recomputes each tile's probabilities."""
 
 from __future__ import annotations
 
@@ -13,22 +8,13 @@ import math
 
 import torch
 
+from tfm_common.attention import mask_tile, tiles
 from tfm_common.validate import check_size
 
 from .masks import check_qkv
 from .module import at_the_door
 
 __all__ = ["flash_attention", "flash_attention_backward"]
-
-
-def _tiles(n: int, size: int) -> list[slice]:
-    return [slice(s, min(s + size, n)) for s in range(0, n, size)]
-
-
-def _mask_tile(mask, rows: slice, cols: slice):
-    if mask is None:
-        return None
-    return mask[..., rows if mask.shape[-2] > 1 else slice(None), cols if mask.shape[-1] > 1 else slice(None)]
 
 
 def _prepare(name: str, q, k, v, mask, tile_size):
@@ -50,13 +36,13 @@ def _forward(q, k, v, mask, tile: int):
     scale = 1.0 / math.sqrt(q.shape[-1])
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
     lse = q.new_empty(q.shape[:-1])
-    for rows in _tiles(q.shape[-2], tile):
+    for rows in tiles(q.shape[-2], tile):
         q_i = q[..., rows, :]  # (..., Br, dk)
         m = q_i.new_full((*q_i.shape[:-1], 1), float("-inf"))  # running row max
         l = q_i.new_zeros(m.shape)  # running sum of exp(s - m)  # noqa: E741
         acc = q_i.new_zeros((*q_i.shape[:-1], v.shape[-1]))  # running sum of exp(s - m) v
-        for cols in _tiles(k.shape[-2], tile):
-            m_ij = _mask_tile(mask, rows, cols)
+        for cols in tiles(k.shape[-2], tile):
+            m_ij = mask_tile(mask, rows, cols)
             if m_ij is not None and not bool(m_ij.any()):  # a tile with nothing allowed: skipped
                 continue
             s = _scores(q_i, k[..., cols, :], scale, m_ij)
@@ -80,10 +66,10 @@ def flash_attention_backward(grad_out, q, k, v, out, lse, mask=None, *, tile_siz
     big_d = (grad_out * out).sum(dim=-1, keepdim=True)  # (..., Tq, 1): rowsum(dO * O)
     lse_safe = torch.where(torch.isfinite(lse), lse, 0.0)[..., None]  # (..., Tq, 1)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for cols in _tiles(k.shape[-2], tile):
+    for cols in tiles(k.shape[-2], tile):
         k_j, v_j = k[..., cols, :], v[..., cols, :]
-        for rows in _tiles(q.shape[-2], tile):
-            m_ij = _mask_tile(mask, rows, cols)
+        for rows in tiles(q.shape[-2], tile):
+            m_ij = mask_tile(mask, rows, cols)
             if m_ij is not None and not bool(m_ij.any()):
                 continue
             q_i, do_i = q[..., rows, :], grad_out[..., rows, :]

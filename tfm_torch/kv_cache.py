@@ -1,6 +1,4 @@
-"""The key/value cache of incremental decoding, PyTorch track: the same functions as tfm_numpy.kv_cache, used by
-MultiHeadAttention, GroupedQueryAttention and `Transformer.decode_step`: the keys and values grow in buffers
-allocated once (`cache_append`), and a beam search step selects their rows (`reorder_cache`)."""
+"""The key/value cache of incremental decoding, PyTorch track: the twins of tfm_numpy.kv_cache's functions."""
 
 from __future__ import annotations
 
@@ -35,9 +33,7 @@ def _span(axis: int, start: int, stop: int) -> tuple:
 
 
 def reorder_cache(cache: dict, rows: torch.Tensor) -> dict:
-    """The cache of `Transformer.decode_step` for the batch rows `rows` (repeats allowed), in that order (as
-    tfm_numpy.reorder_cache): after a beam search step, each new beam needs its parent's keys and values. A
-    preallocated buffer is gathered into a new one of the same capacity, copying only the written positions."""
+    """The cache for the batch rows `rows` (repeats allowed), in that order, as tfm_numpy.reorder_cache."""
     if isinstance(cache, list):
         return [reorder_cache(v, rows) for v in cache]
     if not isinstance(cache, dict):

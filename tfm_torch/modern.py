@@ -4,14 +4,15 @@ position embedding, the SwiGLU feed-forward, grouped-query attention); autograd 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from tfm_common.validate import check_real, check_size, check_sizes
+from tfm_common.attention import GroupedQueryAttentionDoor, attention_repr, check_heads, check_kv_heads, check_rotary
+from tfm_common.validate import check_positions, check_real, check_size, check_sizes
 
-from .attention import AttentionImpl, check_attention, check_attention_call
+from .attention import AttentionImpl, check_attention
 from .kv_cache import cache_append
 from .layers import Dropout, Linear
+from .masks import check_mask
 from .module import Module, as_generator, check_dtype, check_input
 
 __all__ = [
@@ -28,8 +29,7 @@ __all__ = [
 
 
 class RMSNorm(Module):
-    """x / sqrt(mean(x^2) + eps) * weight over the last dimension (twin of tfm_numpy's; the tests compare it with
-    torch.nn.RMSNorm). Written out to mirror tfm_numpy."""
+    """x / sqrt(mean(x^2) + eps) * weight over the last dimension, twin of tfm_numpy's (and of torch.nn.RMSNorm)."""
 
     def __init__(self, d: int, eps: float = 1e-6, *, dtype=None):
         super().__init__()
@@ -68,8 +68,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class RotaryEmbedding(Module):
-    """Rotary position embedding, twin of tfm_numpy's: forward(x (..., T, d_head), offset=0) rotates positions
-    offset .. offset + T - 1; `rotate(x, offset, inverse)`. The tables are non-persistent buffers (no state_dict)."""
+    """Rotary position embedding, twin of tfm_numpy's; the tables are non-persistent buffers (no state_dict)."""
 
     def __init__(self, d_head: int, max_len: int, base: float = 10000.0, *, dtype=None):
         super().__init__()
@@ -82,9 +81,7 @@ class RotaryEmbedding(Module):
         check_input("RotaryEmbedding", x, ndim_min=2, last_dim=self.d_head, dtype=self.cos.dtype)
         T = x.shape[-2]
         offset = check_size("RotaryEmbedding", "offset", offset, minimum=0)
-        if offset + T > self.max_len:
-            start = f" starting at position {offset}" if offset else ""
-            raise ValueError(f"RotaryEmbedding: sequence length {T}{start} exceeds max_len {self.max_len}")
+        check_positions("RotaryEmbedding", T, offset, self.max_len)
         sin = self.sin[offset : offset + T]
         return apply_rope(x, self.cos[offset : offset + T], -sin if inverse else sin)
 
@@ -121,26 +118,16 @@ class SwiGLUFeedForward(Module):
         return f"d_model={self.d_model}, d_ff={self.d_ff}"
 
 
-def check_kv_heads(owner: str, n_heads: int, n_kv_heads) -> int:
-    """n_kv_heads (None: n_heads) must divide n_heads."""
-    if n_kv_heads is None:
-        return n_heads
-    n_kv_heads = check_size(owner, "n_kv_heads", n_kv_heads)
-    if n_heads % n_kv_heads:
-        raise ValueError(f"{owner}: n_heads={n_heads} must be divisible by n_kv_heads={n_kv_heads}")
-    return n_kv_heads
-
-
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     """(B, Hkv, T, d) -> (B, Hkv * n_rep, T, d), head j to query heads j n_rep .. (j + 1) n_rep - 1."""
     return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
 
 
-class GroupedQueryAttention(AttentionImpl, Module):
-    """Grouped-query self-attention, twin of tfm_numpy's: forward(x, mask, offset=0) -> (B, T, d); forward_step
-    with a cache of n_kv_heads heads; `rotary` rotates queries and keys. attention="flash" (tiled, as tfm_numpy's)
-    or "sdpa" (this track only: F.scaled_dot_product_attention with enable_gqa, the key/value heads not repeated;
-    attention dropout from torch's global generator) keep no weights; `use_attention(model, ...)` switches it."""
+class GroupedQueryAttention(AttentionImpl, GroupedQueryAttentionDoor, Module):
+    """Grouped-query self-attention, twin of tfm_numpy's; attention="sdpa" (this track only) takes the key/value heads
+    unrepeated (enable_gqa)."""
+
+    _check_float, _check_mask = staticmethod(check_input), staticmethod(check_mask)  # the door's checks
 
     def __init__(
         self,
@@ -158,13 +145,9 @@ class GroupedQueryAttention(AttentionImpl, Module):
     ):
         super().__init__()
         owner = "GroupedQueryAttention"
-        check_sizes(owner, d_model=d_model, n_heads=n_heads)
-        if d_model % n_heads:
-            raise ValueError(f"{owner}: d_model={d_model} must be divisible by n_heads={n_heads}")
-        self.d_model, self.n_heads, self.d_head = d_model, n_heads, d_model // n_heads
+        self.d_model, self.n_heads, self.d_head = check_heads(owner, d_model, n_heads)
         self.n_kv_heads = check_kv_heads(owner, n_heads, n_kv_heads)
-        if rotary is not None and (not isinstance(rotary, RotaryEmbedding) or rotary.d_head != self.d_head):
-            raise ValueError(f"{owner}: rotary expected a RotaryEmbedding with d_head={self.d_head}, got {rotary!r}")
+        check_rotary(owner, rotary, self.d_head, RotaryEmbedding)
         dt, g = check_dtype(dtype), as_generator(rng)
         d_kv = self.n_kv_heads * self.d_head
         self.q_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
@@ -184,21 +167,6 @@ class GroupedQueryAttention(AttentionImpl, Module):
         B, n, T, _ = x.shape
         return x.transpose(1, 2).reshape(B, T, n * self.d_head)
 
-    def _check_x(self, x) -> None:
-        check_input("GroupedQueryAttention: x", x, ndim_min=3, last_dim=self.d_model, dtype=self.q_proj.weight.dtype)
-        if x.dim() != 3:
-            raise ValueError(f"GroupedQueryAttention: x must be (B, T, d_model), got shape {tuple(x.shape)}")
-
-    def _check_forward(self, x, mask=None, offset=0) -> None:
-        """At the door: x (B, T, d_model) and the mask, before anything is projected or cached (as tfm_numpy's)."""
-        self._check_x(x)
-        check_attention_call("GroupedQueryAttention", self, x.shape[0], x.shape[1], x.shape[1], mask)
-
-    def _check_forward_step(self, x, cache, mask=None) -> None:
-        self._check_x(x)
-        keys = (cache["k"].shape[2] if "k" in cache else 0) + x.shape[1]  # the cached positions and the new ones
-        check_attention_call("GroupedQueryAttention", self, x.shape[0], x.shape[1], keys, mask, cache)
-
     def _project(self, x: torch.Tensor, offset: int):
         q = self._split(self.q_proj(x), self.n_heads)
         k = self._split(self.k_proj(x), self.n_kv_heads)
@@ -212,14 +180,13 @@ class GroupedQueryAttention(AttentionImpl, Module):
         return self.out_proj(self._merge(self._attend(q, k, v, mask)))  # (B, T, d)
 
     def forward_step(self, x: torch.Tensor, cache: dict, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """`forward` for new positions only; cache["k"], cache["v"] (B, Hkv, T, dh) grow by the new ones, in place
-        (`cache_append`: buffers of cache["capacity"] positions, allocated once)."""
+        """As tfm_numpy's: cache["k"], cache["v"] (B, Hkv, T, dh) grow by the new positions, in place."""
         q, k, v = self._project(x, cache["k"].shape[2] if "k" in cache else 0)
         k, v = cache_append(cache, "k", k, axis=2), cache_append(cache, "v", v, axis=2)  # (B, Hkv, T + Tn, dh)
         return self.out_proj(self._merge(self._attend(q, k, v, mask)))
 
     # The key/value heads come in unrepeated (B, Hkv, Tk, dh): repeated to the query heads for the kernels of
-    # AttentionImpl, passed as they are to torch's (enable_gqa).
+    # AttentionImpl, passed as they are to torch's (AttentionImpl._attend_sdpa: enable_gqa).
     def _attend_explicit(self, q, k, v, mask) -> torch.Tensor:
         n_rep = self.n_heads // self.n_kv_heads
         return super()._attend_explicit(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), mask)
@@ -228,15 +195,8 @@ class GroupedQueryAttention(AttentionImpl, Module):
         n_rep = self.n_heads // self.n_kv_heads
         return super()._attend_flash(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), mask)
 
-    def _attend_sdpa(self, q, k, v, mask) -> torch.Tensor:
-        self.attn_weights = None
-        p = self.dropout.p if self.training else 0.0
-        enable_gqa = self.n_kv_heads < self.n_heads
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, enable_gqa=enable_gqa)
-
     def extra_repr(self) -> str:
         rope = ", rotary" if self.rotary is not None else ""
-        impl = {"flash": f", attention='flash', tile_size={self.tile_size}", "sdpa": ", attention='sdpa'"}
-        return f"d_model={self.d_model}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}{rope}" + impl.get(
-            self.attention, ""
+        return (
+            f"d_model={self.d_model}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}{rope}{attention_repr(self)}"
         )

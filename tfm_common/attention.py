@@ -1,0 +1,131 @@
+"""What the attention of both tracks shares: the rules of MultiHeadAttention's and GroupedQueryAttention's arguments,
+their doors, use_attention's loop, the option's repr, and the flash kernels' tiles.
+
+The doors (as tfm_common.doors's) check a call from outside the library before anything is projected, cached or
+stored, so that a refused call changes nothing (a backward after it still differentiates the last good forward). The
+track supplies its array checks as static methods: `_check_float` (its check_input) and `_check_mask`.
+"""
+
+from __future__ import annotations
+
+from .validate import check_size, check_sizes
+
+__all__ = ["check_heads", "check_kv_heads", "check_rotary", "refuse_flash_dropout", "MultiHeadAttentionDoor",
+           "GroupedQueryAttentionDoor", "switch_attention", "attention_repr", "tiles", "mask_tile"]  # fmt: skip
+
+
+def check_heads(owner: str, d_model, n_heads) -> tuple[int, int, int]:
+    """Positive sizes, d_model divisible by n_heads: returns (d_model, n_heads, d_head)."""
+    d_model, n_heads = check_sizes(owner, d_model=d_model, n_heads=n_heads).values()
+    if d_model % n_heads != 0:
+        raise ValueError(f"{owner}: d_model={d_model} must be divisible by n_heads={n_heads}")
+    return d_model, n_heads, d_model // n_heads
+
+
+def check_kv_heads(owner: str, n_heads: int, n_kv_heads) -> int:
+    """n_kv_heads (None: n_heads) must divide n_heads: each key/value head serves n_heads / n_kv_heads query heads."""
+    if n_kv_heads is None:
+        return n_heads
+    n_kv_heads = check_size(owner, "n_kv_heads", n_kv_heads)
+    if n_heads % n_kv_heads:
+        raise ValueError(f"{owner}: n_heads={n_heads} must be divisible by n_kv_heads={n_kv_heads}")
+    return n_kv_heads
+
+
+def check_rotary(owner: str, rotary, d_head: int, rotary_class: type) -> None:
+    """None, or a RotaryEmbedding (the track's `rotary_class`) for heads of d_head."""
+    if rotary is not None and (not isinstance(rotary, rotary_class) or rotary.d_head != d_head):
+        raise ValueError(f"{owner}: rotary expected a RotaryEmbedding with d_head={d_head}, got {rotary!r}")
+
+
+def refuse_flash_dropout(owner: str, module) -> None:
+    """The tiled kernel has no dropout on the weights: a module training with attention dropout is refused rather
+    than silently trained without."""
+    if module.attention == "flash" and module.training and module.dropout.p > 0:
+        raise ValueError(
+            f"{owner}: attention='flash' has no dropout on the attention weights, got dropout="
+            f"{module.dropout.p} in training mode; use dropout=0.0, eval(), or attention='explicit'"
+        )
+
+
+class AttentionDoor:
+    def _check_inputs(self, owner: str, inputs: dict, **kwargs) -> None:
+        """Each input (B, T, d_model) of the module's dtype; for query, key and value one batch size, and keys and
+        values of one length."""
+        for arg, x in inputs.items():
+            self._check_float(f"{owner}: {arg}", x, last_dim=self.d_model, dtype=self.q_proj.weight.dtype, **kwargs)
+            if x.ndim != 3:
+                raise ValueError(f"{owner}: {arg} must be (B, T, d_model), got shape {tuple(x.shape)}")
+        if len(inputs) < 3:
+            return
+        q, k, v = (tuple(x.shape) for x in inputs.values())
+        if not q[0] == k[0] == v[0]:
+            raise ValueError(f"{owner}: batch sizes differ: query {q}, key {k}, value {v}")
+        if k[1] != v[1]:
+            raise ValueError(f"{owner}: key and value lengths differ: key {k}, value {v}")
+
+    def _check_call(self, owner: str, batch: int, tq: int, tk: int, mask, cache: dict | None = None) -> None:
+        """The rows of a decoding cache; the mask against the scores (B, H, Tq, Tk) (also for attention="sdpa", whose
+        kernel would read a float mask as an additive bias); the tiled kernel's refusal of attention dropout."""
+        if cache is not None and "k" in cache and cache["k"].shape[0] != batch:
+            raise ValueError(
+                f"{owner}: the cache holds {cache['k'].shape[0]} rows, the input has {batch}; start a new cache for "
+                "a new batch (or reorder it with reorder_cache)"
+            )
+        if mask is not None:
+            self._check_mask(mask, (batch, self.n_heads, tq, tk))
+        refuse_flash_dropout(owner, self)
+
+
+class MultiHeadAttentionDoor(AttentionDoor):
+    def _check_forward(self, query, key, value, mask=None) -> None:
+        self._check_inputs("MultiHeadAttention", {"query": query, "key": key, "value": value})
+        self._check_call("MultiHeadAttention", query.shape[0], query.shape[1], key.shape[1], mask)
+
+    def _check_forward_step(self, query, key, value, cache: dict, mask=None, *, static: bool = False) -> None:
+        self._check_inputs("MultiHeadAttention", {"query": query, "key": key, "value": value})
+        cached = cache["k"].shape[2] if "k" in cache else 0  # positions (or, static, memory keys) already there
+        keys = cached if static and "k" in cache else cached + key.shape[1]
+        self._check_call("MultiHeadAttention", query.shape[0], query.shape[1], keys, mask, cache)
+
+
+class GroupedQueryAttentionDoor(AttentionDoor):
+    def _check_forward(self, x, mask=None, offset=0) -> None:
+        self._check_inputs("GroupedQueryAttention", {"x": x}, ndim_min=3)
+        self._check_call("GroupedQueryAttention", x.shape[0], x.shape[1], x.shape[1], mask)
+
+    def _check_forward_step(self, x, cache, mask=None) -> None:
+        self._check_inputs("GroupedQueryAttention", {"x": x}, ndim_min=3)
+        keys = (cache["k"].shape[2] if "k" in cache else 0) + x.shape[1]  # the cached positions and the new ones
+        self._check_call("GroupedQueryAttention", x.shape[0], x.shape[1], keys, mask, cache)
+
+
+def switch_attention(model, modules, attention: str, tile_size: int):
+    """`use_attention`'s loop: set `attention` and `tile_size` on each of `modules` (the model's attention modules,
+    checked options); refuses a model without any. Returns the model."""
+    switched = 0
+    for m in modules:
+        m.attention, m.tile_size = attention, tile_size
+        switched += 1
+    if not switched:  # nothing would change: say so rather than return the model as it was
+        raise ValueError(f"use_attention: {type(model).__name__} has no attention module to switch to {attention!r}")
+    return model
+
+
+def attention_repr(module) -> str:
+    """The attention option in a module's repr: nothing for the default "explicit"."""
+    if module.attention == "flash":
+        return f", attention='flash', tile_size={module.tile_size}"
+    return ", attention='sdpa'" if module.attention == "sdpa" else ""
+
+
+def tiles(n: int, size: int) -> list[slice]:
+    """[0:size], [size:2 size], ...: the blocks of an axis of length n (the last one may be shorter)."""
+    return [slice(s, min(s + size, n)) for s in range(0, n, size)]
+
+
+def mask_tile(mask, rows: slice, cols: slice):
+    """The mask's (..., Br, Bc) tile; an axis of size 1 (broadcast) is kept whole. None: no mask."""
+    if mask is None:
+        return None
+    return mask[..., rows if mask.shape[-2] > 1 else slice(None), cols if mask.shape[-1] > 1 else slice(None)]
