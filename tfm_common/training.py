@@ -31,11 +31,11 @@ from .data import PAD_ID, Batch, Vocab
 from .metrics import corpus_bleu, exact_match
 from .parallel import check_micro_batches, split_batch
 from .schedules import check_cooldown, cooldown_scale, noam_lr
-from .validate import check_size
+from .validate import check_choice, check_size
 
-__all__ = ["check_finite_step", "check_step", "HALF", "History", "StepResult", "MixedStepResult", "record_overflow",
-           "eval_mode", "Track", "track_functions", "steps_taken", "fit", "Evaluation", "batch_stream",
-           "evaluate_pairs"]  # fmt: skip
+__all__ = ["check_finite_step", "check_step", "check_mixed", "HALF", "History", "StepResult", "MixedStepResult",
+           "record_overflow", "eval_mode", "Track", "track_functions", "steps_taken", "fit", "Evaluation",
+           "batch_stream", "evaluate_pairs"]  # fmt: skip
 
 HALF = ("float16", "bfloat16")  # the 16-bit formats of mixed precision
 _NOT_GIVEN = object()
@@ -62,6 +62,15 @@ def record_overflow(scaler, loss: float, grad_norm: float) -> bool:
     elif found_inf:
         check_finite_step("train_step_mixed", loss, grad_norm)
     return found_inf
+
+
+def check_mixed(model_params, params: list, dtype, float32, half: str) -> None:
+    """`train_step_mixed`'s arguments: float32 master weights (`dtype`, the track's `float32`), a format of HALF,
+    and an optimizer of the model's parameters."""
+    if dtype != float32:
+        raise TypeError(f"train_step_mixed: model expected float32 master weights, got {dtype}")
+    check_choice("train_step_mixed", "half", half, HALF)
+    check_step("train_step_mixed", model_params, params)
 
 
 def check_step(name: str, model_params, optimizer_params, *, batch=_NOT_GIVEN, micro_batches=_NOT_GIVEN) -> None:
@@ -238,9 +247,9 @@ def _check_instance(name: str, arg: str, value, kind: type, word: str) -> None:
 
 
 def steps_taken(optimizer) -> int:
-    """The optimizer's step count (our Adam's `step_count`; for another torch optimizer, its per-parameter "step"
-    state, 0 before the first step)."""
-    if hasattr(optimizer, "step_count"):
+    """The optimizer's step count: tfm_numpy's Adam's `step_count`; for a torch optimizer, the largest of its
+    per-parameter "step" counts (they agree unless a parameter had no gradient at some step), 0 before the first."""
+    if not hasattr(optimizer, "state"):  # tfm_numpy's Adam
         return int(optimizer.step_count)
     return max((int(s["step"]) for s in optimizer.state.values() if "step" in s), default=0)
 
@@ -293,7 +302,8 @@ def fit(model, batches, optimizer, *, steps: int | None = None, epochs: int | No
     elif label_smoothing is not None:
         raise ValueError(f"{name}: give label_smoothing or loss_fn, not both (the loss_fn has its own)")
     accumulate = check_size(name, "accumulate", accumulate)
-    total = _n_total_steps(batches, steps, epochs)
+    # the number of steps of this call, if known in advance (the cool-down and the progress bar need it)
+    total = epochs * len(batches) if steps is None and isinstance(batches, Sequence) else steps
     cooldown = check_cooldown(name, cooldown, total)
     if history is None:
         history = History()
@@ -427,13 +437,6 @@ def batch_stream(batches, steps: int | None, epochs: int | None, name: str = "tr
         if given == n_before:
             raise ValueError(f"{name}: epoch {epoch} gave no batches")
         epoch += 1
-
-
-def _n_total_steps(batches, steps: int | None, epochs: int | None) -> int | None:
-    """The number of steps `batch_stream` will give, if it is known in advance (for the progress bar)."""
-    if steps is not None:
-        return steps
-    return epochs * len(batches) if isinstance(batches, Sequence) else None
 
 
 def _import_tqdm(name: str):

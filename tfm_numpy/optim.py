@@ -187,14 +187,11 @@ class Adam:
             for i, (a, p) in enumerate(zip(arrays, self.params, strict=True)):
                 if a.shape != p.data.shape:
                     raise ValueError(f"{name}: {part}[{i}] expected shape {p.data.shape}, got {a.shape}")
-            moments[part] = arrays
+            moments[part] = [a.astype(p.data.dtype, copy=True) for a, p in zip(arrays, self.params, strict=True)]
         hyper = check_adam_args(name, state["lr"], state["betas"], state["eps"], state["weight_decay"])
         self.lr, self.betas, self.eps, self.weight_decay = hyper
         self.step_count = int(step)
-        self.exp_avg = [a.astype(p.data.dtype, copy=True) for a, p in zip(moments["exp_avg"], self.params, strict=True)]
-        self.exp_avg_sq = [
-            a.astype(p.data.dtype, copy=True) for a, p in zip(moments["exp_avg_sq"], self.params, strict=True)
-        ]
+        self.exp_avg, self.exp_avg_sq = moments["exp_avg"], moments["exp_avg_sq"]
 
     def __repr__(self) -> str:
         return (

@@ -1,12 +1,5 @@
-"""Training, PyTorch track: the same names and arguments as tfm_numpy.train; autograd does the backward.
-
-One step, with the learning rate of the warm-up schedule (`noam_lr`) at that step:
-
-    logits = model(src, tgt_in)                      (B, T, V)   teacher forcing: tgt_in = [BOS] + y
-    loss   = CrossEntropyLoss(logits, tgt_out)       mean over the non-pad target tokens, label-smoothed
-    loss.backward()                                  autograd fills every parameter's .grad
-    clip_grad_norm(params, clip_norm)                optional: the global gradient norm at most clip_norm
-    optimizer.step()                                 Adam
+"""Training, PyTorch track: the same names and arguments as tfm_numpy.train, and the same step, with autograd's
+`loss.backward()` for the backward by hand.
 
 Batches are the NumPy `Batch`es of `tfm_common.data` (both tracks train on the very same ones); they become
 tensors here, on the model's device. `train` and `evaluate` hand this track's pieces to the loop and the
