@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .validate import check_choice, check_flag, check_real, check_real_arg, check_size, check_sizes
+from .validate import check_choice, check_flag, check_probability, check_real, check_size, check_sizes
 
 __all__ = ["TRANSFORMER_ARGS", "TRANSFORMER_POSITIONAL", "FF_ACTIVATIONS", "GPT_NORMS", "GPT_POSITIONAL",
            "GPT_ACTIVATIONS", "GPT_ARGS", "VIT_ARGS", "VIT_POOLS", "SWIN_ARGS", "check_transformer_config",
@@ -62,7 +62,7 @@ def check_transformer_config(owner: str, c: dict) -> dict:
     _check_heads(owner, c)
     check_choice(owner, "positional", c["positional"], TRANSFORMER_POSITIONAL)
     _check_sinusoidal(owner, c)
-    c["dropout"] = check_real_arg(owner, "dropout", c["dropout"], 0, 1)  # [0, 1)
+    c["dropout"] = check_probability(owner, "dropout", c["dropout"], allow_one=False)
     check_choice(owner, "activation", c["activation"], FF_ACTIVATIONS)
     for arg in ("norm_first", "share_embeddings", "tie_output"):
         c[arg] = check_flag(owner, arg, c[arg])

@@ -1,6 +1,6 @@
 """Plumbing of gradient accumulation shared by both tracks (`tfm_numpy.parallel`, `tfm_torch.parallel`): splitting
-a batch into micro-batches, and the weight of each micro-batch's loss; and the start, collection and clean stop of
-worker processes for data parallelism."""
+a batch into micro-batches, and the weight of each micro-batch's loss; the layers and generators that recomputation
+wraps and rewinds; and the start, collection and clean stop of worker processes for data parallelism."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ import numpy as np
 from .data import PAD_ID, Batch
 from .validate import check_choice, check_real, check_size
 
-__all__ = ["NORMALIZE", "split_batch", "micro_weights", "check_micro_batches", "ONE_THREAD", "run_processes"]
+__all__ = ["NORMALIZE", "split_batch", "micro_weights", "check_micro_batches", "generators", "wrap_layers",
+           "ONE_THREAD", "run_processes"]  # fmt: skip
 
 NORMALIZE = ("tokens", "micro_batches")
 
@@ -58,6 +59,27 @@ def micro_weights(micro_batches: list[Batch], normalize: str) -> list[float]:
         return [1.0 / len(micro_batches)] * len(micro_batches)
     total = max(sum(b.n_tokens for b in micro_batches), 1)
     return [b.n_tokens / total for b in micro_batches]
+
+
+# -- recomputation -------------------------------------------------------------------------------------------------
+def generators(module, kind: type) -> list:
+    """The random generators (an `rng` attribute of type `kind`: dropout's) used inside `module`, each once."""
+    seen: dict[int, object] = {}
+    for _, m in module.named_modules():
+        g = m.__dict__.get("rng")
+        if isinstance(g, kind):
+            seen.setdefault(id(g), g)
+    return list(seen.values())
+
+
+def wrap_layers(stacks, wrapper: type, enabled: bool) -> None:
+    """Wrap (enabled) or unwrap every layer of the layer `stacks` with `wrapper` (whose `.module` is the layer)."""
+    for stack in stacks:
+        for key, layer in list(stack._modules.items()):
+            if enabled and not isinstance(layer, wrapper):
+                setattr(stack, key, wrapper(layer))
+            elif not enabled and isinstance(layer, wrapper):
+                setattr(stack, key, layer.module)
 
 
 # -- worker processes -----------------------------------------------------------------------------------------------

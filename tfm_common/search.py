@@ -6,7 +6,9 @@ from __future__ import annotations
 import math
 import numbers
 
-__all__ = ["check_search_args", "check_int", "describe"]
+from .validate import check_size
+
+__all__ = ["check_search_args", "describe"]
 
 
 def check_search_args(name: str, model, bos_id, eos_id, max_len=None, *, beam_size=1, alpha=0.0) -> int:
@@ -19,23 +21,16 @@ def check_search_args(name: str, model, bos_id, eos_id, max_len=None, *, beam_si
         if value == pad:
             raise ValueError(f"{name}: {arg}={value} is the model's pad_id: padding is masked, it cannot be {arg}")
     if max_len is not None:
-        check_int(name, "max_len", max_len)
+        check_size(name, "max_len", max_len, wrong_type=ValueError)
         if max_len > model.max_len:
             raise ValueError(
                 f"{name}: max_len={max_len} exceeds the model's max_len={model.max_len} (the decoder reads bos and "
                 f"up to max_len - 1 generated tokens, one position each)"
             )
-    beam_size = check_int(name, "beam_size", beam_size)
+    beam_size = check_size(name, "beam_size", beam_size, wrong_type=ValueError)
     if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not 0 <= alpha < math.inf:
         raise ValueError(f"{name}: alpha must be a float >= 0, got {alpha!r}")
     return beam_size
-
-
-def check_int(name: str, arg: str, value, low: int = 1) -> int:
-    """An int (Python or NumPy, not a bool) >= low, returned as a Python int."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-        raise ValueError(f"{name}: {arg} must be an int >= {low}, got {value!r}")
-    return int(value)
 
 
 def describe(x, array_type: type) -> str:

@@ -1,11 +1,10 @@
 """What the two tracks' training shares (pure Python and NumPy, never a track): the loop, the record of a run,
 the checks of a step's arguments, the eval mode, and the evaluation on decoded text.
 
-`tfm_numpy.train` and `tfm_torch.train` hold what differs: the step (the backward by hand in NumPy, autograd in
-torch), and they hand it to `fit`, the one loop of both tracks.
+`tfm_numpy.train` and `tfm_torch.train` hold what differs (the step: the backward by hand in NumPy, autograd in
+torch) and hand it, as a `Track`, to `fit` (the one loop of both tracks) and `evaluate_pairs`: `track_functions`
+makes each track's public `train` and `evaluate` of them.
 
-- `fit`: the loop: batches for `steps` updates or `epochs` passes, the lr schedule and its cool-down, the progress
-  bar, evaluations and checkpoints along the way, one `History` entry per step.
 - `History`: one entry per optimizer step (the step number, the loss, the learning rate, the gradient norm
   before clipping, the target tokens in the batch) and the evaluations made during training. It survives a
   JSON round trip (`to_dict` / `from_dict`), so it rides along in a checkpoint's `extra`.
@@ -17,6 +16,7 @@ torch), and they hand it to `fit`, the one loop of both tracks.
 
 from __future__ import annotations
 
+import inspect
 import math
 import sys
 import time
@@ -31,22 +31,11 @@ from .data import PAD_ID, Batch, Vocab
 from .metrics import corpus_bleu, exact_match
 from .parallel import check_micro_batches, split_batch
 from .schedules import check_cooldown, cooldown_scale, noam_lr
-from .validate import check_size
+from .validate import check_choice, check_size
 
-__all__ = [
-    "check_finite_step",
-    "check_step",
-    "HALF",
-    "History",
-    "StepResult",
-    "MixedStepResult",
-    "record_overflow",
-    "eval_mode",
-    "fit",
-    "Evaluation",
-    "batch_stream",
-    "evaluate_pairs",
-]
+__all__ = ["check_finite_step", "check_step", "check_mixed", "HALF", "History", "StepResult", "MixedStepResult",
+           "record_overflow", "eval_mode", "Track", "track_functions", "steps_taken", "fit", "Evaluation",
+           "batch_stream", "evaluate_pairs"]  # fmt: skip
 
 HALF = ("float16", "bfloat16")  # the 16-bit formats of mixed precision
 _NOT_GIVEN = object()
@@ -73,6 +62,15 @@ def record_overflow(scaler, loss: float, grad_norm: float) -> bool:
     elif found_inf:
         check_finite_step("train_step_mixed", loss, grad_norm)
     return found_inf
+
+
+def check_mixed(model_params, params: list, dtype, float32, half: str) -> None:
+    """`train_step_mixed`'s arguments: float32 master weights (`dtype`, the track's `float32`), a format of HALF,
+    and an optimizer of the model's parameters."""
+    if dtype != float32:
+        raise TypeError(f"train_step_mixed: model expected float32 master weights, got {dtype}")
+    check_choice("train_step_mixed", "half", half, HALF)
+    check_step("train_step_mixed", model_params, params)
 
 
 def check_step(name: str, model_params, optimizer_params, *, batch=_NOT_GIVEN, micro_batches=_NOT_GIVEN) -> None:
@@ -207,19 +205,63 @@ def eval_mode(model):
 # -- the loop -------------------------------------------------------------------------------------------------------
 
 
-def fit(model, batches, optimizer, *, train_step: Callable, train_step_accumulated: Callable, loss_class: type,
-        save_checkpoint: Callable, steps_taken: Callable, steps: int | None, epochs: int | None, warmup: int,
-        factor: float, d_model: int | None, lr_schedule, cooldown: int, label_smoothing: float | None, loss_fn,
-        clip_norm: float | None, accumulate: int, eval_fn, eval_every: int | None, checkpoint_path,
-        checkpoint_every: int | None, history: History | None, progress: bool, log_every: int,
-        desc: str) -> History:  # fmt: skip
-    """The training loop of both tracks (`tfm_numpy.train`, `tfm_torch.train` call it with their own pieces):
-    train `model` with `optimizer` for `steps` updates or `epochs` passes over `batches`; return the History.
+@dataclass
+class Track:
+    """What a track hands to `fit` and `evaluate_pairs`: its model and optimizer classes (with the words that name
+    them in a refusal); `train_step(model, batch, optimizer, loss_fn, lr, clip_norm)` and
+    `train_step_accumulated(model, micro_batches, ...)` (one update each, a `StepResult`); `loss_class` (its
+    CrossEntropyLoss); `save_checkpoint(path, model, optimizer, extra=...)`; `decode(model, src, max_len, use_cache)`
+    (greedy decoding, NumPy ids (B, S) in, (B, L) out)."""
 
-    The track's pieces: `train_step(model, batch, optimizer, loss_fn, lr, clip_norm)` and
-    `train_step_accumulated(model, micro_batches, ...)` (one update each, a `StepResult`), `loss_class` (its
-    CrossEntropyLoss), `save_checkpoint(path, model, optimizer, extra=...)`, `steps_taken(optimizer)` (the
-    optimizer's step count).
+    model: type
+    model_word: str
+    optimizer: type
+    optimizer_word: str
+    train_step: Callable
+    train_step_accumulated: Callable
+    loss_class: type
+    save_checkpoint: Callable
+    decode: Callable
+
+
+def track_functions(track: Track) -> tuple[Callable, Callable]:
+    """A track's public `train` and `evaluate`: `fit` and `evaluate_pairs` with the `track` given, and their
+    signatures and docstrings less that argument."""
+    return _bind(fit, "train", track), _bind(evaluate_pairs, "evaluate", track)
+
+
+def _bind(func: Callable, name: str, track: Track) -> Callable:
+    def bound(*args, **kwargs):
+        return func(*args, **kwargs, track=track)
+
+    sig = inspect.signature(func)
+    bound.__signature__ = sig.replace(parameters=[p for p in sig.parameters.values() if p.name != "track"])
+    bound.__name__ = bound.__qualname__ = name
+    bound.__doc__, bound.__module__ = func.__doc__, track.train_step.__module__
+    return bound
+
+
+def _check_instance(name: str, arg: str, value, kind: type, word: str) -> None:
+    if not isinstance(value, kind):
+        raise TypeError(f"{name}: {arg} expected a {word}, got {type(value).__name__}")
+
+
+def steps_taken(optimizer) -> int:
+    """The optimizer's step count: tfm_numpy's Adam's `step_count`; for a torch optimizer, the largest of its
+    per-parameter "step" counts (they agree unless a parameter had no gradient at some step), 0 before the first."""
+    if not hasattr(optimizer, "state"):  # tfm_numpy's Adam
+        return int(optimizer.step_count)
+    return max((int(s["step"]) for s in optimizer.state.values() if "step" in s), default=0)
+
+
+def fit(model, batches, optimizer, *, steps: int | None = None, epochs: int | None = None, warmup: int = 4000,
+        factor: float = 1.0, d_model: int | None = None, lr_schedule=None, cooldown: int = 0,
+        label_smoothing: float | None = None, loss_fn=None, clip_norm: float | None = None, accumulate: int = 1,
+        eval_fn=None, eval_every: int | None = None, checkpoint_path=None, checkpoint_every: int | None = None,
+        history: History | None = None, progress: bool = True, log_every: int = 10, desc: str = "train",
+        track: Track) -> History:  # fmt: skip
+    """Train `model` with `optimizer` for `steps` updates or `epochs` passes over `batches`; return the History.
+    The loop of both tracks (`tfm_numpy.train` and `tfm_torch.train` are this function with their `Track`).
 
     batches      a list of `Batch` (the same order each epoch) or a callable `epoch -> batches` (epoch from 0),
                  e.g. `lambda e: make_batches(ids, 64, rng=e)`: a new, reproducible shuffle each epoch
@@ -248,16 +290,20 @@ def fit(model, batches, optimizer, *, train_step: Callable, train_step_accumulat
     during the steps; after, every submodule is back in the mode it had.
     """
     name = "train"
+    _check_instance(name, "model", model, track.model, track.model_word)
+    _check_instance(name, "optimizer", optimizer, track.optimizer, track.optimizer_word)
     steps, epochs, log_every, checkpoint_every, eval_every = _check_loop_args(
         name, steps, epochs, log_every, checkpoint_path, checkpoint_every, eval_fn, eval_every
     )
     lr_schedule = _lr_schedule(name, model, lr_schedule, d_model, warmup, factor)
     if loss_fn is None:
-        loss_fn = loss_class(ignore_index=PAD_ID, label_smoothing=0.1 if label_smoothing is None else label_smoothing)
+        smoothing = 0.1 if label_smoothing is None else label_smoothing
+        loss_fn = track.loss_class(ignore_index=PAD_ID, label_smoothing=smoothing)
     elif label_smoothing is not None:
         raise ValueError(f"{name}: give label_smoothing or loss_fn, not both (the loss_fn has its own)")
     accumulate = check_size(name, "accumulate", accumulate)
-    total = _n_total_steps(batches, steps, epochs)
+    # the number of steps of this call, if known in advance (the cool-down and the progress bar need it)
+    total = epochs * len(batches) if steps is None and isinstance(batches, Sequence) else steps
     cooldown = check_cooldown(name, cooldown, total)
     if history is None:
         history = History()
@@ -267,15 +313,15 @@ def fit(model, batches, optimizer, *, train_step: Callable, train_step_accumulat
 
     def one_step(batch: Batch, lr: float) -> StepResult:
         if accumulate == 1:
-            return train_step(model, batch, optimizer, loss_fn, lr, clip_norm)
+            return track.train_step(model, batch, optimizer, loss_fn, lr, clip_norm)
         micro = split_batch(batch, min(accumulate, len(batch)))
-        return train_step_accumulated(model, micro, optimizer, loss_fn, lr, clip_norm)
+        return track.train_step_accumulated(model, micro, optimizer, loss_fn, lr, clip_norm)
 
     def checkpoint(epoch: int, start: float | None) -> None:
-        record = history
+        record = history.to_dict()
         if start is not None:  # mid-run: the seconds so far
-            record = History(**{**history.__dict__, "seconds": history.seconds + time.perf_counter() - start})
-        save_checkpoint(checkpoint_path, model, optimizer, extra={"epoch": int(epoch), "history": record.to_dict()})
+            record["seconds"] = history.seconds + time.perf_counter() - start
+        track.save_checkpoint(checkpoint_path, model, optimizer, extra={"epoch": int(epoch), "history": record})
 
     modes = _modes(model)
     model.train()
@@ -393,13 +439,6 @@ def batch_stream(batches, steps: int | None, epochs: int | None, name: str = "tr
         epoch += 1
 
 
-def _n_total_steps(batches, steps: int | None, epochs: int | None) -> int | None:
-    """The number of steps `batch_stream` will give, if it is known in advance (for the progress bar)."""
-    if steps is not None:
-        return steps
-    return epochs * len(batches) if isinstance(batches, Sequence) else None
-
-
 def _import_tqdm(name: str):
     try:
         from tqdm import tqdm
@@ -444,22 +483,20 @@ class Evaluation:
         return f"Evaluation(n={len(self.sources)}, exact_match={self.exact_match:.4f}{bleu})"
 
 
-def evaluate_pairs(
-    model,
-    decode: Callable[[np.ndarray, int], np.ndarray],
-    pairs,
-    src_vocab: Vocab,
-    tgt_vocab: Vocab,
-    *,
-    max_len: int | None,
-    batch_size: int,
-    bleu: bool,
-    bleu_tokenize: str | None,
-    name: str = "evaluate",
-) -> Evaluation:
-    """Decode every source of `pairs` ((source text, reference text)) with `decode(src (B, S) int64, max_len)`
-    -> ids (B, L) (a track's greedy decoding of `model`, in eval mode here), in batches of similar source length;
-    compare the decoded texts with the references. max_len None: the model's."""
+def evaluate_pairs(model, pairs, src_vocab: Vocab, tgt_vocab: Vocab, *, max_len: int | None = None,
+                   batch_size: int = 256, bleu: bool = True, bleu_tokenize: str | None = None, use_cache: bool = True,
+                   track: Track) -> Evaluation:  # fmt: skip
+    """Greedy-decode the source of every (source text, reference text) pair and score the outputs: exact match
+    and corpus BLEU (`tfm_common.metrics`). Never teacher-forced: the model reads its own predictions.
+
+    bleu_tokenize: sacrebleu's tokenization; None: "char" for a char-level target vocabulary (German number
+    words are mostly one word each), "13a" (words) otherwise.
+    max_len: the longest output, in tokens (EOS included); None: the model's max_len. Sources are decoded in
+    batches of `batch_size`, grouped by length (similar lengths: little padding). The model is in eval mode
+    (no dropout) while decoding, and is left in the mode it had before.
+    """
+    name = "evaluate"
+    _check_instance(name, "model", model, track.model, track.model_word)
     if not isinstance(src_vocab, Vocab) or not isinstance(tgt_vocab, Vocab):
         raise TypeError(f"{name}: src_vocab and tgt_vocab expected tfm_common.data.Vocab objects")
     pairs = list(pairs)
@@ -482,7 +519,7 @@ def evaluate_pairs(
             src = np.full((len(idx), width), PAD_ID, dtype=np.int64)
             for row, i in enumerate(idx):
                 src[row, : len(ids[i])] = ids[i]
-            out = np.asarray(decode(src, max_len))
+            out = np.asarray(track.decode(model, src, max_len, use_cache))
             if out.ndim != 2 or out.shape[0] != len(idx):
                 raise ValueError(f"{name}: the decoder returned shape {out.shape}, expected ({len(idx)}, L)")
             for row, i in enumerate(idx):

@@ -98,11 +98,6 @@ def check_real(
     return float(value)
 
 
-def check_real_arg(name: str, arg: str, value, low: float, high: float | None = None, high_open=True) -> float:
-    """`check_real` with the optimizers' policy (kept for tfm_numpy.optim's import until it calls check_real)."""
-    return check_real(name, arg, value, low, high, high_open=high_open, nonfinite=ValueError)
-
-
 def check_probability(owner: str, arg: str, p, allow_one: bool) -> float:
     """A probability in [0, 1) (a dropout rate) or [0, 1] (label smoothing); the message names the argument."""
     return check_real(owner, arg, p, 0, 1, high_open=not allow_one, nonfinite=ValueError)

@@ -30,8 +30,7 @@ import numpy as np
 
 from tfm_common.schedules import noam_lr
 from tfm_common.training import check_finite_step
-from tfm_common.validate import check_adam_args as _check_hyper
-from tfm_common.validate import check_real_arg as _check_real
+from tfm_common.validate import check_adam_args, check_real
 
 from .module import Module, Parameter
 
@@ -78,7 +77,7 @@ class Adam:
         self.params = _param_list(params, name)
         if not self.params:
             raise ValueError(f"{name}: params is empty: nothing to optimize")
-        self.lr, self.betas, self.eps, self.weight_decay = _check_hyper(name, lr, betas, eps, weight_decay)
+        self.lr, self.betas, self.eps, self.weight_decay = check_adam_args(name, lr, betas, eps, weight_decay)
         self.step_count = 0
         self.exp_avg = [np.zeros_like(p.data) for p in self.params]
         self.exp_avg_sq = [np.zeros_like(p.data) for p in self.params]
@@ -90,7 +89,7 @@ class Adam:
 
     @lr.setter
     def lr(self, value: float) -> None:
-        self._lr = _check_real(type(self).__name__, "lr", value, 0.0)
+        self._lr = check_real(type(self).__name__, "lr", value, 0.0, nonfinite=ValueError)
 
     def zero_grad(self) -> None:
         for p in self.params:
@@ -188,14 +187,11 @@ class Adam:
             for i, (a, p) in enumerate(zip(arrays, self.params, strict=True)):
                 if a.shape != p.data.shape:
                     raise ValueError(f"{name}: {part}[{i}] expected shape {p.data.shape}, got {a.shape}")
-            moments[part] = arrays
-        hyper = _check_hyper(name, state["lr"], state["betas"], state["eps"], state["weight_decay"])
+            moments[part] = [a.astype(p.data.dtype, copy=True) for a, p in zip(arrays, self.params, strict=True)]
+        hyper = check_adam_args(name, state["lr"], state["betas"], state["eps"], state["weight_decay"])
         self.lr, self.betas, self.eps, self.weight_decay = hyper
         self.step_count = int(step)
-        self.exp_avg = [a.astype(p.data.dtype, copy=True) for a, p in zip(moments["exp_avg"], self.params, strict=True)]
-        self.exp_avg_sq = [
-            a.astype(p.data.dtype, copy=True) for a, p in zip(moments["exp_avg_sq"], self.params, strict=True)
-        ]
+        self.exp_avg, self.exp_avg_sq = moments["exp_avg"], moments["exp_avg_sq"]
 
     def __repr__(self) -> str:
         return (
@@ -269,7 +265,7 @@ def clip_grad_norm(params: Iterable[Parameter], max_norm: float) -> float:
 
 def _check_clip(params, max_norm) -> tuple[list[Parameter], float]:
     params = [p for p in _param_list(params, "clip_grad_norm") if p.grad is not None]
-    return params, _check_real("clip_grad_norm", "max_norm", max_norm, 0.0)
+    return params, check_real("clip_grad_norm", "max_norm", max_norm, 0.0, nonfinite=ValueError)
 
 
 def grad_norm(params) -> float:

@@ -19,13 +19,15 @@ for bit; the activations inside the layer live only while its backward runs.
 from __future__ import annotations
 
 import contextlib
+import multiprocessing as mp
+from multiprocessing import shared_memory
 
 import numpy as np
 
 from tfm_common.data import Batch
-from tfm_common.parallel import check_micro_batches, micro_weights, run_processes, split_batch
+from tfm_common.parallel import check_micro_batches, generators, micro_weights, run_processes, split_batch, wrap_layers
 from tfm_common.schedules import LossScaler
-from tfm_common.training import HALF, MixedStepResult, StepResult, check_step, record_overflow
+from tfm_common.training import HALF, MixedStepResult, StepResult, check_mixed, check_step, record_overflow
 from tfm_common.validate import check_choice, check_flag, check_size
 
 from .loss import CrossEntropyLoss
@@ -76,16 +78,6 @@ def train_step_accumulated(
 
 
 # -- activation recomputation ------------------------------------------------------------------------------------
-def _generators(module: Module) -> list[np.random.Generator]:
-    """The random generators used inside `module` (dropout's), each once."""
-    seen: dict[int, np.random.Generator] = {}
-    for _, m in module.named_modules():
-        g = m.__dict__.get("rng")
-        if isinstance(g, np.random.Generator):
-            seen.setdefault(id(g), g)
-    return list(seen.values())
-
-
 @contextlib.contextmanager
 def _replay(saved: list[tuple[np.random.Generator, dict]]):
     """Rewind each generator to its state before the forward, and afterwards put it back where it is now (so the
@@ -126,7 +118,7 @@ class Recompute(Module):
         return getattr(module, name)
 
     def forward(self, *args, **kwargs):
-        gens = _generators(self.module)
+        gens = generators(self.module, np.random.Generator)  # dropout's
         saved = [(g, g.bit_generator.state) for g in gens]
         out = self.module.forward(*args, **kwargs)
         self._drop_caches()
@@ -170,13 +162,7 @@ def recompute(model: Module, enabled: bool = True) -> Module:
     if not isinstance(model, Module):
         raise TypeError(f"recompute: model expected a tfm_numpy Module, got {type(model).__name__}")
     enabled = check_flag("recompute", "enabled", enabled)
-    stacks = [m for _, m in model.named_modules() if isinstance(m, ModuleList)]
-    for stack in stacks:
-        for key, layer in list(stack._modules.items()):
-            if enabled and not isinstance(layer, Recompute):
-                setattr(stack, key, Recompute(layer))
-            elif not enabled and isinstance(layer, Recompute):
-                setattr(stack, key, layer.module)
+    wrap_layers([m for _, m in model.named_modules() if isinstance(m, ModuleList)], Recompute, enabled)
     return model
 
 
@@ -192,9 +178,6 @@ class Ring:
     """
 
     def __init__(self, world: int, n: int, dtype=np.float64, *, context=None):
-        import multiprocessing as mp
-        from multiprocessing import shared_memory
-
         self.world = check_size("Ring", "world", world)
         self.chunk = -(-check_size("Ring", "n", n) // self.world)  # ceil(n / world): the largest chunk
         self.dtype = np.dtype(dtype)
@@ -223,8 +206,6 @@ class RingMember:
     reduce-scatter leaves worker r with chunk r of the sum, all-gather gives every worker every chunk."""
 
     def __init__(self, ring: Ring, rank: int):
-        from multiprocessing import shared_memory
-
         self.ring, self.rank, self.world = ring, rank, ring.world
         self._shm = shared_memory.SharedMemory(name=ring.name)
         self.slots = np.ndarray((ring.world, ring.chunk), dtype=ring.dtype, buffer=self._shm.buf)  # (W, chunk)
@@ -401,7 +382,7 @@ def train_step_mixed(
     check and the Adam step are float32. An overflow skips the step (the model and optimizer do not change) and
     backs the scale off. Emulated: the arithmetic inside the layers stays float32."""
     params = optimizer.params
-    _check_mixed(model, params, half)
+    check_mixed(model.parameters(), params, model.param_dtype, np.float32, half)
     scale = 1.0 if scaler is None else scaler.scale
     master = [p.data for p in params]
     model.zero_grad()
@@ -424,10 +405,3 @@ def train_step_mixed(
         return MixedStepResult(loss, norm, True, scale)
     apply_update("train_step_mixed", optimizer, loss, lr, clip_norm)  # clipping, lr, Adam's step (float32)
     return MixedStepResult(loss, norm, False, scale)
-
-
-def _check_mixed(model: Module, params: list[Parameter], half: str) -> None:
-    if model.param_dtype != np.float32:
-        raise TypeError(f"train_step_mixed: model expected float32 master weights, got {model.param_dtype}")
-    check_choice("train_step_mixed", "half", half, HALF)
-    check_step("train_step_mixed", model.parameters(), params)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from tfm_common.data import BOS_ID, EOS_ID, Batch
-from tfm_common.training import Evaluation, History, StepResult, check_step, eval_mode, evaluate_pairs, fit
+from tfm_common.training import Evaluation, History, StepResult, Track, check_step, eval_mode, track_functions
 from tfm_common.validate import check_size
 
 from .checkpoint import save_checkpoint
@@ -46,79 +46,14 @@ def train_step(
     return StepResult(float(loss), norm)
 
 
-def train(
-    model: Module,
-    batches,
-    optimizer: Adam,
-    *,
-    steps: int | None = None,
-    epochs: int | None = None,
-    warmup: int = 4000,
-    factor: float = 1.0,
-    d_model: int | None = None,
-    lr_schedule=None,
-    cooldown: int = 0,
-    label_smoothing: float | None = None,
-    loss_fn: CrossEntropyLoss | None = None,
-    clip_norm: float | None = None,
-    accumulate: int = 1,
-    eval_fn=None,
-    eval_every: int | None = None,
-    checkpoint_path=None,
-    checkpoint_every: int | None = None,
-    history: History | None = None,
-    progress: bool = True,
-    log_every: int = 10,
-    desc: str = "train",
-) -> History:
-    """Train `model` with `optimizer` for `steps` updates or `epochs` passes over `batches`; return the History.
-    The loop is `tfm_common.training.fit` (every argument is explained there), with this track's `train_step`,
-    `train_step_accumulated`, `CrossEntropyLoss` and `save_checkpoint`."""
-    if not isinstance(model, Module):
-        raise TypeError(f"train: model expected a tfm_numpy Module, got {type(model).__name__}")
-    if not isinstance(optimizer, Adam):
-        raise TypeError(f"train: optimizer expected a tfm_numpy Adam, got {type(optimizer).__name__}")
-    return fit(
-        model, batches, optimizer, train_step=train_step, train_step_accumulated=train_step_accumulated,
-        loss_class=CrossEntropyLoss, save_checkpoint=save_checkpoint, steps_taken=lambda opt: opt.step_count,
-        steps=steps, epochs=epochs, warmup=warmup, factor=factor, d_model=d_model, lr_schedule=lr_schedule,
-        cooldown=cooldown, label_smoothing=label_smoothing, loss_fn=loss_fn, clip_norm=clip_norm,
-        accumulate=accumulate, eval_fn=eval_fn, eval_every=eval_every, checkpoint_path=checkpoint_path,
-        checkpoint_every=checkpoint_every, history=history, progress=progress, log_every=log_every, desc=desc,
-    )  # fmt: skip
+def _decode(model: Module, src: np.ndarray, max_len: int, use_cache: bool) -> np.ndarray:
+    return greedy_decode(model, src, BOS_ID, EOS_ID, max_len, use_cache=use_cache)
 
 
-def evaluate(
-    model: Module,
-    pairs,
-    src_vocab,
-    tgt_vocab,
-    *,
-    max_len: int | None = None,
-    batch_size: int = 256,
-    bleu: bool = True,
-    bleu_tokenize: str | None = None,
-    use_cache: bool = True,
-) -> Evaluation:
-    """Greedy-decode the source of every (source text, reference text) pair and score the outputs: exact match
-    and corpus BLEU (`tfm_common.metrics`). Never teacher-forced: the model reads its own predictions.
-
-    bleu_tokenize: sacrebleu's tokenization; None: "char" for a char-level target vocabulary (German number
-    words are mostly one word each), "13a" (words) otherwise.
-    max_len: the longest output, in tokens (EOS included); None: the model's max_len. Sources are decoded in
-    batches of `batch_size`, grouped by length (`tfm_common.training.evaluate_pairs`). The model is in eval mode
-    (no dropout) while decoding, and is left in the mode it had before.
-    """
-    if not isinstance(model, Module):
-        raise TypeError(f"evaluate: model expected a tfm_numpy Module, got {type(model).__name__}")
-
-    def decode(src: np.ndarray, n: int) -> np.ndarray:
-        return greedy_decode(model, src, BOS_ID, EOS_ID, n, use_cache=use_cache)
-
-    return evaluate_pairs(
-        model, decode, pairs, src_vocab, tgt_vocab, max_len=max_len, batch_size=batch_size, bleu=bleu,
-        bleu_tokenize=bleu_tokenize,
-    )  # fmt: skip
+# `train` is the loop `tfm_common.training.fit`, `evaluate` is `evaluate_pairs`, with this track's pieces
+TRACK = Track(Module, "tfm_numpy Module", Adam, "tfm_numpy Adam", train_step, train_step_accumulated,
+              CrossEntropyLoss, save_checkpoint, _decode)  # fmt: skip
+train, evaluate = track_functions(TRACK)
 
 
 # -- the language model (chapter 17b) -----------------------------------------------------------------------------

@@ -1,16 +1,9 @@
 """Optimization, PyTorch track: the same names as tfm_numpy.optim, on top of torch.optim.
 
-- `Adam`: `torch.optim.Adam` with the paper's defaults (betas = (0.9, 0.98), eps = 1e-9, Vaswani et al., 2017,
-  section 5.3) and, as the NumPy `Adam`, an `lr` you can set between steps and a `step_count`.
-- `noam_lr`: the warm-up schedule, `tfm_common.schedules.noam_lr`, the very same function as in the NumPy track.
-- `grad_norm`, `clip_grad_norm`: the global gradient norm, and `torch.nn.utils.clip_grad_norm_`, returning a
-  Python float as the NumPy track does.
-- `apply_update`: the tail of every step function (norm, finite check, clipping, lr, step), as tfm_numpy's.
-- `optimizer_params(optimizer)`: the parameters a torch optimizer updates, in order.
-- `AdamW`: `torch.optim.AdamW` (decoupled weight decay, Loshchilov & Hutter, 2019) with the same constructor and
-  the same `lr` / `step_count` as our `Adam`; weight_decay defaults to torch's 0.01.
-- `make_adam(model, ...)`, `make_adamw(model, ...)`, `set_lr(optimizer, lr)`: so that a training loop reads the
-  same in both tracks.
+`Adam` and `AdamW` are `torch.optim.Adam` and `torch.optim.AdamW` with the paper's betas and eps (Vaswani et al.,
+2017, section 5.3; AdamW's weight_decay is torch's 0.01) and, as the NumPy ones, an `lr` you can set between steps
+and a `step_count`. `clip_grad_norm` is `torch.nn.utils.clip_grad_norm_`, returning a Python float as the NumPy
+track does; `optimizer_params(optimizer)` lists the parameters a torch optimizer updates, in order.
 
 torch's own scheduler `LambdaLR` multiplies a base lr and calls its function with 0 first; with `noam_lr`
 (which counts steps from 1) set lr=1.0 and use `LambdaLR(opt, lambda s: noam_lr(s + 1, d_model, warmup))`.
@@ -26,7 +19,7 @@ import torch
 from torch import nn
 
 from tfm_common.schedules import noam_lr
-from tfm_common.training import check_finite_step
+from tfm_common.training import check_finite_step, steps_taken
 from tfm_common.validate import check_adam_args
 
 __all__ = [
@@ -59,10 +52,7 @@ class _LrAndSteps:
 
     @property
     def step_count(self) -> int:
-        """The number of steps taken (torch keeps one counter per parameter; they agree unless a parameter
-        had no gradient at some step)."""
-        steps = [int(s["step"]) for s in self.state.values() if "step" in s]
-        return max(steps, default=0)
+        return steps_taken(self)
 
 
 class Adam(_LrAndSteps, torch.optim.Adam):

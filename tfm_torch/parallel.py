@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import contextlib
 import pickle
+import tempfile
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from tfm_common.data import Batch, make_batches
-from tfm_common.parallel import micro_weights, run_processes, split_batch
+from tfm_common.parallel import generators, micro_weights, run_processes, split_batch, wrap_layers
 from tfm_common.schedules import LossScaler
-from tfm_common.training import HALF, MixedStepResult, StepResult, check_step, record_overflow
+from tfm_common.training import HALF, MixedStepResult, StepResult, check_mixed, check_step, record_overflow
 from tfm_common.validate import check_choice, check_flag, check_size
 
 from .loss import CrossEntropyLoss
@@ -68,15 +69,6 @@ def train_step_accumulated(
 
 
 # -- activation recomputation ------------------------------------------------------------------------------------
-def _generators(module: nn.Module) -> list[torch.Generator]:
-    seen: dict[int, torch.Generator] = {}
-    for m in module.modules():
-        g = m.__dict__.get("rng")
-        if isinstance(g, torch.Generator):
-            seen.setdefault(id(g), g)
-    return list(seen.values())
-
-
 def _rng_contexts(gens: list[torch.Generator]):
     """torch.utils.checkpoint's `context_fn`: the forward records the generators' states; the recomputation
     rewinds them, and afterwards puts them back where they were."""
@@ -130,7 +122,7 @@ class Recompute(Module):
     def forward(self, *args, **kwargs):
         if not torch.is_grad_enabled():  # nothing to keep for a backward
             return self.module(*args, **kwargs)
-        gens = _generators(self.module)
+        gens = generators(self.module, torch.Generator)
         return checkpoint(self.module, *args, use_reentrant=False, context_fn=lambda: _rng_contexts(gens), **kwargs)
 
     def train(self, mode: bool = True) -> Recompute:
@@ -148,12 +140,7 @@ def recompute(model: nn.Module, enabled: bool = True) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise TypeError(f"recompute: model expected a torch.nn.Module, got {type(model).__name__}")
     enabled = check_flag("recompute", "enabled", enabled)
-    for stack in [m for m in model.modules() if isinstance(m, nn.ModuleList)]:
-        for key, layer in list(stack._modules.items()):
-            if enabled and not isinstance(layer, Recompute):
-                stack._modules[key] = Recompute(layer)
-            elif not enabled and isinstance(layer, Recompute):
-                stack._modules[key] = layer.module
+    wrap_layers([m for m in model.modules() if isinstance(m, nn.ModuleList)], Recompute, enabled)
     return model
 
 
@@ -270,8 +257,6 @@ def train_ddp(
     and of the parameters this rank holds. shard=True: `fully_shard` (FSDP2) instead of DDP, every parameter and
     its Adam moments split across the ranks (no bucket hook: "bucket_bytes" stays empty). `model` is not changed.
     Rendezvous through a temporary file; the workers are stopped and the file removed, always."""
-    import tempfile
-
     if not isinstance(model, nn.Module):
         raise TypeError(f"train_ddp: model expected a torch.nn.Module, got {type(model).__name__}")
     shard = check_flag("train_ddp", "shard", shard)
@@ -309,7 +294,7 @@ def train_step_mixed(
     layers accept float32/float64 only, so `torch.autocast`, which hands 16-bit tensors from layer to layer,
     runs on `torch.nn` modules, not on these: see chapter 20.)"""
     params = optimizer_params(optimizer)
-    _check_mixed(model, params, half)
+    check_mixed(model.parameters(), params, params[0].dtype, torch.float32, half)
     scale = 1.0 if scaler is None else scaler.scale
     device = params[0].device
     src, tgt_in, tgt_out = (torch.from_numpy(a).to(device) for a in (batch.src, batch.tgt_in, batch.tgt_out))
@@ -338,13 +323,6 @@ def train_step_mixed(
         return MixedStepResult(loss.item(), norm, True, scale)
     apply_update("train_step_mixed", optimizer, loss.item(), lr, clip_norm)  # clipping, lr, Adam's step (float32)
     return MixedStepResult(loss.item(), norm, False, scale)
-
-
-def _check_mixed(model: nn.Module, params: list[torch.Tensor], half: str) -> None:
-    if params[0].dtype != torch.float32:
-        raise TypeError(f"train_step_mixed: model expected float32 master weights, got {params[0].dtype}")
-    check_choice("train_step_mixed", "half", half, HALF)
-    check_step("train_step_mixed", model.parameters(), params)
 
 
 class _HalfGrad(torch.autograd.Function):

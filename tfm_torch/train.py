@@ -1,12 +1,5 @@
-"""Training, PyTorch track: the same names and arguments as tfm_numpy.train; autograd does the backward.
-
-One step, with the learning rate of the warm-up schedule (`noam_lr`) at that step:
-
-    logits = model(src, tgt_in)                      (B, T, V)   teacher forcing: tgt_in = [BOS] + y
-    loss   = CrossEntropyLoss(logits, tgt_out)       mean over the non-pad target tokens, label-smoothed
-    loss.backward()                                  autograd fills every parameter's .grad
-    clip_grad_norm(params, clip_norm)                optional: the global gradient norm at most clip_norm
-    optimizer.step()                                 Adam
+"""Training, PyTorch track: the same names and arguments as tfm_numpy.train, and the same step, with autograd's
+`loss.backward()` for the backward by hand.
 
 Batches are the NumPy `Batch`es of `tfm_common.data` (both tracks train on the very same ones); they become
 tensors here, on the model's device. `train` and `evaluate` hand this track's pieces to the loop and the
@@ -21,7 +14,7 @@ import torch
 from torch import nn
 
 from tfm_common.data import BOS_ID, EOS_ID, Batch
-from tfm_common.training import Evaluation, History, StepResult, check_step, eval_mode, evaluate_pairs, fit
+from tfm_common.training import Evaluation, History, StepResult, Track, check_step, eval_mode, track_functions
 from tfm_common.validate import check_size
 
 from .checkpoint import save_checkpoint
@@ -32,14 +25,6 @@ from .optim import apply_update, optimizer_params
 from .parallel import train_step_accumulated
 
 __all__ = ["History", "StepResult", "Evaluation", "train_step", "train", "evaluate", "lm_train_step", "lm_eval_loss"]
-
-
-def _steps_taken(optimizer: torch.optim.Optimizer) -> int:
-    """The optimizer's step count (our Adam's `step_count`; for another torch optimizer, its per-parameter
-    "step" state, 0 before the first step)."""
-    if hasattr(optimizer, "step_count"):
-        return int(optimizer.step_count)
-    return max((int(s["step"]) for s in optimizer.state.values() if "step" in s), default=0)
 
 
 def train_step(
@@ -63,75 +48,15 @@ def train_step(
     return StepResult(loss.item(), norm)
 
 
-def train(
-    model: nn.Module,
-    batches,
-    optimizer: torch.optim.Optimizer,
-    *,
-    steps: int | None = None,
-    epochs: int | None = None,
-    warmup: int = 4000,
-    factor: float = 1.0,
-    d_model: int | None = None,
-    lr_schedule=None,
-    cooldown: int = 0,
-    label_smoothing: float | None = None,
-    loss_fn: CrossEntropyLoss | None = None,
-    clip_norm: float | None = None,
-    accumulate: int = 1,
-    eval_fn=None,
-    eval_every: int | None = None,
-    checkpoint_path=None,
-    checkpoint_every: int | None = None,
-    history: History | None = None,
-    progress: bool = True,
-    log_every: int = 10,
-    desc: str = "train",
-) -> History:
-    """Train `model` with `optimizer` for `steps` updates or `epochs` passes over `batches`; return the History.
-    The loop is `tfm_common.training.fit` (every argument is explained there), with this track's `train_step`,
-    `train_step_accumulated`, `CrossEntropyLoss` and `save_checkpoint`, as `tfm_numpy.train`."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"train: model expected a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"train: optimizer expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    return fit(
-        model, batches, optimizer, train_step=train_step, train_step_accumulated=train_step_accumulated,
-        loss_class=CrossEntropyLoss, save_checkpoint=save_checkpoint, steps_taken=_steps_taken,
-        steps=steps, epochs=epochs, warmup=warmup, factor=factor, d_model=d_model, lr_schedule=lr_schedule,
-        cooldown=cooldown, label_smoothing=label_smoothing, loss_fn=loss_fn, clip_norm=clip_norm,
-        accumulate=accumulate, eval_fn=eval_fn, eval_every=eval_every, checkpoint_path=checkpoint_path,
-        checkpoint_every=checkpoint_every, history=history, progress=progress, log_every=log_every, desc=desc,
-    )  # fmt: skip
+def _decode(model: nn.Module, src: np.ndarray, max_len: int, use_cache: bool) -> np.ndarray:
+    src = torch.from_numpy(src).to(next(model.parameters()).device)
+    return greedy_decode(model, src, BOS_ID, EOS_ID, max_len, use_cache=use_cache).cpu().numpy()
 
 
-@torch.no_grad()
-def evaluate(
-    model: nn.Module,
-    pairs,
-    src_vocab,
-    tgt_vocab,
-    *,
-    max_len: int | None = None,
-    batch_size: int = 256,
-    bleu: bool = True,
-    bleu_tokenize: str | None = None,
-    use_cache: bool = True,
-) -> Evaluation:
-    """Greedy-decode the source of every (source text, reference text) pair and score the outputs, as
-    `tfm_numpy.evaluate` (exact match and corpus BLEU, in eval mode, the model's mode restored after)."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"evaluate: model expected a torch.nn.Module, got {type(model).__name__}")
-    device = next(model.parameters()).device
-
-    def decode(src: np.ndarray, n: int) -> np.ndarray:
-        out = greedy_decode(model, torch.from_numpy(src).to(device), BOS_ID, EOS_ID, n, use_cache=use_cache)
-        return out.cpu().numpy()
-
-    return evaluate_pairs(
-        model, decode, pairs, src_vocab, tgt_vocab, max_len=max_len, batch_size=batch_size, bleu=bleu,
-        bleu_tokenize=bleu_tokenize,
-    )  # fmt: skip
+# `train` is the loop `tfm_common.training.fit`, `evaluate` is `evaluate_pairs`, with this track's pieces
+TRACK = Track(nn.Module, "torch.nn.Module", torch.optim.Optimizer, "torch.optim.Optimizer", train_step,
+              train_step_accumulated, CrossEntropyLoss, save_checkpoint, _decode)  # fmt: skip
+train, evaluate = track_functions(TRACK)
 
 
 # -- the language model (chapter 17b) -----------------------------------------------------------------------------
