@@ -30,9 +30,9 @@ from tfm_common.doors import DecoderLayerDoor, EncoderLayerDoor, StackDoor
 from tfm_common.pitfalls import DROPOUT_PLACES
 from tfm_common.validate import check_flag, check_sizes
 
-from .attention import _check_mask as check_mask
 from .attention import make_attention
 from .layers import Dropout, LayerNorm
+from .masks import check_mask
 from .module import Module, ModuleList, as_rng, check_dtype, check_input
 from .sublayers import PositionwiseFeedForward, check_activation
 
