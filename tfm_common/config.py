@@ -8,6 +8,8 @@ as Python ints, flags as bools): the `config` a model keeps and a checkpoint rec
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
 
 from .pitfalls import LAYER_PITFALLS, MODEL_PITFALLS, check_model_pitfalls
@@ -16,7 +18,7 @@ from .validate import check_choice, check_flag, check_real, check_real_arg, chec
 __all__ = ["TRANSFORMER_ARGS", "TRANSFORMER_POSITIONAL", "FF_ACTIVATIONS", "GPT_NORMS", "GPT_POSITIONAL",
            "GPT_ACTIVATIONS", "GPT_ARGS", "VIT_ARGS", "VIT_POOLS", "SWIN_ARGS", "check_transformer_config",
            "check_gpt_config", "check_patch_embedding", "check_vit_config", "check_swin_config", "check_window_grid",
-           "swin_shift", "transformer_options"]  # fmt: skip
+           "swin_shift", "transformer_options", "own_init"]  # fmt: skip
 
 # the Transformer's `config` without its pitfall options (chapter 16a adds those that differ from the paper's)
 TRANSFORMER_ARGS = ("src_vocab_size", "tgt_vocab_size", "d_model", "n_heads", "d_ff", "n_layers", "dropout", "max_len",
@@ -174,3 +176,13 @@ def transformer_options(owner: str, args: dict) -> tuple[dict, dict, dict]:
     config.update(check_model_pitfalls(owner, config["norm_first"], {k: args[k] for k in MODEL_PITFALLS}))
     options = {**MODEL_PITFALLS, **config}
     return config, options, {k: options[k] for k in LAYER_PITFALLS if options[k] != LAYER_PITFALLS[k]}
+
+
+def own_init(cls: type) -> None:
+    """Give `cls` its own copy of the constructor it inherits from a shared base, named `cls.__init__`: Python's own
+    refusal of a wrong argument ("... got an unexpected keyword argument") then names the class the caller built."""
+    init = cls.__init__
+    f = types.FunctionType(init.__code__, init.__globals__, init.__name__, init.__defaults__, init.__closure__)
+    f.__kwdefaults__, f.__annotations__ = init.__kwdefaults__, init.__annotations__
+    f.__qualname__ = f"{cls.__name__}.__init__"
+    cls.__init__ = f

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tfm_common.config import FF_ACTIVATIONS
+from tfm_common.config import FF_ACTIVATIONS, own_init
 from tfm_common.doors import DecoderLayerDoor, EncoderLayerDoor, StackDoor
 from tfm_common.pitfalls import DROPOUT_PLACES
 from tfm_common.validate import check_choice, check_flag, check_sizes
@@ -379,3 +379,7 @@ class Decoder(_Stack):
         if kind not in ("self", "cross"):
             raise ValueError(f"Decoder.attention_weights: kind must be 'self' or 'cross', got {kind!r}")
         return [(layer.self_attn if kind == "self" else layer.cross_attn).attn_weights for layer in self.layers]
+
+
+for _cls in (EncoderLayer, DecoderLayer, Encoder, Decoder):
+    own_init(_cls)  # a wrong argument is refused in the name of the class built, not of _Layer / _Stack
