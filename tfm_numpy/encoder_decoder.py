@@ -81,6 +81,14 @@ class _Layer(Module):
         for i in range(1, n_sublayers + 1):  # on sublayer i's output, before the residual sum
             setattr(self, f"dropout{i}", Dropout(dropout, rng=rng))
 
+    # -- the self-attention sublayer, the same in both layers, with its backward ---------------------------------
+    def _sa_block(self, x: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
+        return self.dropout1(self.self_attn(x, x, x, mask))  # (B, T, d)
+
+    def _sa_block_backward(self, grad_out: np.ndarray) -> np.ndarray:
+        d_query, d_key, d_value = self.self_attn.backward(self.dropout1.backward(grad_out))
+        return d_query + d_key + d_value  # x fed all three inputs: its gradient is the sum
+
 
 class EncoderLayer(EncoderLayerDoor, _Layer):
     """Self-attention, then a position-wise feed-forward network, each in a residual connection with a LayerNorm.
@@ -113,14 +121,7 @@ class EncoderLayer(EncoderLayerDoor, _Layer):
             dx = dx + self._sa_block_backward(dx)
         return dx  # (B, S, d)
 
-    # -- the two sublayers, each with its backward --------------------------------------------------------------
-    def _sa_block(self, x: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
-        return self.dropout1(self.self_attn(x, x, x, mask))  # (B, S, d)
-
-    def _sa_block_backward(self, grad_out: np.ndarray) -> np.ndarray:
-        d_query, d_key, d_value = self.self_attn.backward(self.dropout1.backward(grad_out))
-        return d_query + d_key + d_value  # x fed all three inputs: its gradient is the sum
-
+    # -- the feed-forward sublayer with its backward (the self-attention's: _Layer) ------------------------------
     def _ff_block(self, x: np.ndarray) -> np.ndarray:
         return self.dropout2(self.ff(x))  # (B, S, d)
 
@@ -204,14 +205,7 @@ class DecoderLayer(DecoderLayerDoor, _Layer):
             dx = dx + self._sa_block_backward(dx)
         return dx, d_memory  # (B, T, d), (B, S, d)
 
-    # -- the three sublayers, each with its backward ------------------------------------------------------------
-    def _sa_block(self, x: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
-        return self.dropout1(self.self_attn(x, x, x, mask))  # (B, T, d)
-
-    def _sa_block_backward(self, grad_out: np.ndarray) -> np.ndarray:
-        d_query, d_key, d_value = self.self_attn.backward(self.dropout1.backward(grad_out))
-        return d_query + d_key + d_value
-
+    # -- the cross-attention and feed-forward sublayers with their backward (the self-attention's: _Layer) -------
     def _mha_block(self, x: np.ndarray, memory: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
         return self.dropout2(self.cross_attn(x, memory, memory, mask))  # queries x, keys/values memory
 

@@ -23,15 +23,7 @@ from .encoder_decoder import Decoder, Encoder
 from .kv_cache import cache_append
 from .layers import Dropout, Embedding, LayerNorm, Linear
 from .masks import causal_mask, check_mask, decoder_mask, padding_mask
-from .module import (
-    Module,
-    Parameter,
-    as_rng,
-    check_dtype,
-    check_grad,
-    check_indices,
-    check_input,
-)
+from .module import Module, Parameter, as_rng, check_dtype, check_grad, check_indices, check_input
 from .positional import LearnedPositionalEmbedding, PositionalEncoding
 
 __all__ = ["xavier_uniform_", "Transformer"]

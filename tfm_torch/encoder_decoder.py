@@ -67,6 +67,10 @@ class _Layer(Module):
         for i in range(1, n_sublayers + 1):  # on sublayer i's output, before the residual sum
             setattr(self, f"dropout{i}", Dropout(dropout, rng=gen))
 
+    # -- the self-attention sublayer, the same in both layers -----------------------------------------------------
+    def _sa_block(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        return self.dropout1(self.self_attn(x, x, x, mask))
+
 
 class EncoderLayer(EncoderLayerDoor, _Layer):
     """Self-attention, then feed-forward, each in a residual connection with a LayerNorm (twin of tfm_numpy's)."""
@@ -79,9 +83,6 @@ class EncoderLayer(EncoderLayerDoor, _Layer):
             x = self.norm1(x + self._sa_block(x, src_mask))
             x = self.norm2(x + self._ff_block(x))
         return x  # (B, S, d)
-
-    def _sa_block(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        return self.dropout1(self.self_attn(x, x, x, mask))
 
     def _ff_block(self, x: torch.Tensor) -> torch.Tensor:
         return self.dropout2(self.ff(x))
@@ -136,9 +137,6 @@ class DecoderLayer(DecoderLayerDoor, _Layer):
 
     def _mha_block_step(self, x, memory, mask, cache: dict) -> torch.Tensor:
         return self.dropout2(self.cross_attn.forward_step(x, memory, memory, cache, mask, static=True))
-
-    def _sa_block(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        return self.dropout1(self.self_attn(x, x, x, mask))
 
     def _mha_block(self, x: torch.Tensor, memory: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         return self.dropout2(self.cross_attn(x, memory, memory, mask))  # queries x, keys and values memory

@@ -22,10 +22,7 @@ from .masks import causal_mask, check_mask, decoder_mask, padding_mask
 from .module import Module, as_generator, check_dtype, check_indices, check_input
 from .positional import LearnedPositionalEmbedding, PositionalEncoding
 
-__all__ = [
-    "xavier_uniform_",
-    "Transformer",
-]
+__all__ = ["xavier_uniform_", "Transformer"]
 
 
 @torch.no_grad()
