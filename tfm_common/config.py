@@ -8,14 +8,17 @@ as Python ints, flags as bools): the `config` a model keeps and a checkpoint rec
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
 
+from .pitfalls import LAYER_PITFALLS, MODEL_PITFALLS, check_model_pitfalls
 from .validate import check_choice, check_flag, check_probability, check_real, check_size, check_sizes
 
 __all__ = ["TRANSFORMER_ARGS", "TRANSFORMER_POSITIONAL", "FF_ACTIVATIONS", "GPT_NORMS", "GPT_POSITIONAL",
            "GPT_ACTIVATIONS", "GPT_ARGS", "VIT_ARGS", "VIT_POOLS", "SWIN_ARGS", "check_transformer_config",
            "check_gpt_config", "check_patch_embedding", "check_vit_config", "check_swin_config", "check_window_grid",
-           "swin_shift"]  # fmt: skip
+           "swin_shift", "transformer_options", "own_init"]  # fmt: skip
 
 # the Transformer's `config` without its pitfall options (chapter 16a adds those that differ from the paper's)
 TRANSFORMER_ARGS = ("src_vocab_size", "tgt_vocab_size", "d_model", "n_heads", "d_ff", "n_layers", "dropout", "max_len",
@@ -162,3 +165,24 @@ def check_window_grid(owner: str, H: int, W: int, window_size: int, shift: int =
 def swin_shift(j: int, window_size: int, grid: int) -> int:
     """Block j of a stage: regular windows for even j, shifted by M // 2 for odd j (none if one window covers all)."""
     return 0 if j % 2 == 0 or window_size >= grid else window_size // 2
+
+
+def transformer_options(owner: str, args: dict) -> tuple[dict, dict, dict]:
+    """The Transformer's constructor arguments (its `locals()`, either track), checked: (config, options, layer
+    options). `config` holds TRANSFORMER_ARGS (sizes as Python ints) and the pitfall options (chapter 16a) that
+    differ from the paper's; `options` every pitfall option, defaults filled in; the layer options those of
+    LAYER_PITFALLS that differ from the paper's (what the stacks pass on to every layer)."""
+    config = check_transformer_config(owner, {k: args[k] for k in TRANSFORMER_ARGS})
+    config.update(check_model_pitfalls(owner, config["norm_first"], {k: args[k] for k in MODEL_PITFALLS}))
+    options = {**MODEL_PITFALLS, **config}
+    return config, options, {k: options[k] for k in LAYER_PITFALLS if options[k] != LAYER_PITFALLS[k]}
+
+
+def own_init(cls: type) -> None:
+    """Give `cls` its own copy of the constructor it inherits from a shared base, named `cls.__init__`: Python's own
+    refusal of a wrong argument ("... got an unexpected keyword argument") then names the class the caller built."""
+    init = cls.__init__
+    f = types.FunctionType(init.__code__, init.__globals__, init.__name__, init.__defaults__, init.__closure__)
+    f.__kwdefaults__, f.__annotations__ = init.__kwdefaults__, init.__annotations__
+    f.__qualname__ = f"{cls.__name__}.__init__"
+    cls.__init__ = f

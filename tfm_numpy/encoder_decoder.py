@@ -26,28 +26,27 @@ from __future__ import annotations
 
 import numpy as np
 
+from tfm_common.config import FF_ACTIVATIONS, own_init
 from tfm_common.doors import DecoderLayerDoor, EncoderLayerDoor, StackDoor
 from tfm_common.pitfalls import DROPOUT_PLACES
-from tfm_common.validate import check_flag, check_sizes
+from tfm_common.validate import check_choice, check_flag, check_sizes
 
 from .attention import make_attention
 from .layers import Dropout, LayerNorm
 from .masks import check_mask
 from .module import Module, ModuleList, as_rng, check_dtype, check_input
-from .sublayers import PositionwiseFeedForward, check_activation
+from .sublayers import PositionwiseFeedForward
 
 __all__ = ["DROPOUT_PLACES", "EncoderLayer", "DecoderLayer", "DropoutAfterNormEncoderLayer",
            "DropoutAfterNormDecoderLayer", "Encoder", "Decoder"]  # fmt: skip
 
 
-class EncoderLayer(EncoderLayerDoor, Module):
-    """Self-attention, then a position-wise feed-forward network, each in a residual connection with a LayerNorm.
-
-    forward(x (B, S, d), src_mask (B, 1, 1, S) or None) -> (B, S, d); backward(dy) -> dx.
-    After a forward, `self_attn.attn_weights` holds the attention weights (B, H, S, S).
-    """
+class _Layer(Module):
+    """The construction an encoder and a decoder layer share: self_attn (and the decoder's cross_attn), ff, and per
+    sublayer one LayerNorm (norm1, ...) and one residual Dropout (dropout1, ...), registered in that order."""
 
     _check_float, _check_mask = staticmethod(check_input), staticmethod(check_mask)  # the door's checks
+    _owner, _cross = "EncoderLayer", False
 
     def __init__(
         self,
@@ -66,18 +65,37 @@ class EncoderLayer(EncoderLayerDoor, Module):
         dtype=np.float32,
     ):
         super().__init__()
-        check_sizes("EncoderLayer", d_model=d_model, n_heads=n_heads, d_ff=d_ff)
-        check_activation("EncoderLayer", activation)
-        self._options("EncoderLayer", norm_first, dropout_place, ff_dropout)
+        check_sizes(self._owner, d_model=d_model, n_heads=n_heads, d_ff=d_ff)
+        check_choice(self._owner, "activation", activation, FF_ACTIVATIONS)
+        self._options(self._owner, norm_first, dropout_place, ff_dropout)
         dt, rng = check_dtype(dtype), as_rng(rng)
         attn = dict(score_scale=score_scale, rng=rng, dtype=dt)
         self.self_attn = make_attention(head_projection, d_model, n_heads, dropout, **attn)
+        if self._cross:  # the decoder's attention to the encoder's output
+            self.cross_attn = make_attention(head_projection, d_model, n_heads, dropout, **attn)
         ff_p = dropout if self.ff_dropout else 0.0  # ff_dropout=False (chapter 16a): none on the hidden units
         self.ff = PositionwiseFeedForward(d_model, d_ff, ff_p, activation, rng=rng, dtype=dt)
-        self.norm1 = LayerNorm(d_model, dtype=dt)
-        self.norm2 = LayerNorm(d_model, dtype=dt)
-        self.dropout1 = Dropout(dropout, rng=rng)  # on the self-attention's output, before the residual sum
-        self.dropout2 = Dropout(dropout, rng=rng)  # on the feed-forward's output
+        n_sublayers = 3 if self._cross else 2
+        for i in range(1, n_sublayers + 1):
+            setattr(self, f"norm{i}", LayerNorm(d_model, dtype=dt))
+        for i in range(1, n_sublayers + 1):  # on sublayer i's output, before the residual sum
+            setattr(self, f"dropout{i}", Dropout(dropout, rng=rng))
+
+    # -- the self-attention sublayer, the same in both layers, with its backward ---------------------------------
+    def _sa_block(self, x: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
+        return self.dropout1(self.self_attn(x, x, x, mask))  # (B, T, d)
+
+    def _sa_block_backward(self, grad_out: np.ndarray) -> np.ndarray:
+        d_query, d_key, d_value = self.self_attn.backward(self.dropout1.backward(grad_out))
+        return d_query + d_key + d_value  # x fed all three inputs: its gradient is the sum
+
+
+class EncoderLayer(EncoderLayerDoor, _Layer):
+    """Self-attention, then a position-wise feed-forward network, each in a residual connection with a LayerNorm.
+
+    forward(x (B, S, d), src_mask (B, 1, 1, S) or None) -> (B, S, d); backward(dy) -> dx.
+    After a forward, `self_attn.attn_weights` holds the attention weights (B, H, S, S).
+    """
 
     def forward(self, x: np.ndarray, src_mask: np.ndarray | None = None) -> np.ndarray:
         self._cache = (x.shape, x.dtype)  # a backward may follow, once
@@ -103,14 +121,7 @@ class EncoderLayer(EncoderLayerDoor, Module):
             dx = dx + self._sa_block_backward(dx)
         return dx  # (B, S, d)
 
-    # -- the two sublayers, each with its backward --------------------------------------------------------------
-    def _sa_block(self, x: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
-        return self.dropout1(self.self_attn(x, x, x, mask))  # (B, S, d)
-
-    def _sa_block_backward(self, grad_out: np.ndarray) -> np.ndarray:
-        d_query, d_key, d_value = self.self_attn.backward(self.dropout1.backward(grad_out))
-        return d_query + d_key + d_value  # x fed all three inputs: its gradient is the sum
-
+    # -- the feed-forward sublayer with its backward (the self-attention's: _Layer) ------------------------------
     def _ff_block(self, x: np.ndarray) -> np.ndarray:
         return self.dropout2(self.ff(x))  # (B, S, d)
 
@@ -118,7 +129,7 @@ class EncoderLayer(EncoderLayerDoor, Module):
         return self.ff.backward(self.dropout2.backward(grad_out))
 
 
-class DecoderLayer(DecoderLayerDoor, Module):
+class DecoderLayer(DecoderLayerDoor, _Layer):
     """Masked self-attention, cross-attention to the encoder's output, feed-forward; each sublayer in a residual
     connection with a LayerNorm.
 
@@ -128,40 +139,7 @@ class DecoderLayer(DecoderLayerDoor, Module):
     After a forward, `self_attn.attn_weights` (B, H, T, T) and `cross_attn.attn_weights` (B, H, T, S).
     """
 
-    _check_float, _check_mask = staticmethod(check_input), staticmethod(check_mask)  # the door's checks
-
-    def __init__(
-        self,
-        d_model: int,
-        n_heads: int,
-        d_ff: int,
-        dropout: float = 0.1,
-        activation: str = "relu",
-        norm_first: bool = False,
-        *,
-        score_scale: str = "d_k",
-        head_projection: str = "full",
-        dropout_place: str = "sublayer",
-        ff_dropout: bool = True,
-        rng=None,
-        dtype=np.float32,
-    ):
-        super().__init__()
-        check_sizes("DecoderLayer", d_model=d_model, n_heads=n_heads, d_ff=d_ff)
-        check_activation("DecoderLayer", activation)
-        self._options("DecoderLayer", norm_first, dropout_place, ff_dropout)
-        dt, rng = check_dtype(dtype), as_rng(rng)
-        attn = dict(score_scale=score_scale, rng=rng, dtype=dt)
-        self.self_attn = make_attention(head_projection, d_model, n_heads, dropout, **attn)
-        self.cross_attn = make_attention(head_projection, d_model, n_heads, dropout, **attn)
-        ff_p = dropout if self.ff_dropout else 0.0  # ff_dropout=False (chapter 16a): none on the hidden units
-        self.ff = PositionwiseFeedForward(d_model, d_ff, ff_p, activation, rng=rng, dtype=dt)
-        self.norm1 = LayerNorm(d_model, dtype=dt)
-        self.norm2 = LayerNorm(d_model, dtype=dt)
-        self.norm3 = LayerNorm(d_model, dtype=dt)
-        self.dropout1 = Dropout(dropout, rng=rng)
-        self.dropout2 = Dropout(dropout, rng=rng)
-        self.dropout3 = Dropout(dropout, rng=rng)
+    _owner, _cross = "DecoderLayer", True
 
     def forward(
         self,
@@ -227,14 +205,7 @@ class DecoderLayer(DecoderLayerDoor, Module):
             dx = dx + self._sa_block_backward(dx)
         return dx, d_memory  # (B, T, d), (B, S, d)
 
-    # -- the three sublayers, each with its backward ------------------------------------------------------------
-    def _sa_block(self, x: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
-        return self.dropout1(self.self_attn(x, x, x, mask))  # (B, T, d)
-
-    def _sa_block_backward(self, grad_out: np.ndarray) -> np.ndarray:
-        d_query, d_key, d_value = self.self_attn.backward(self.dropout1.backward(grad_out))
-        return d_query + d_key + d_value
-
+    # -- the cross-attention and feed-forward sublayers with their backward (the self-attention's: _Layer) -------
     def _mha_block(self, x: np.ndarray, memory: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
         return self.dropout2(self.cross_attn(x, memory, memory, mask))  # queries x, keys/values memory
 
@@ -298,13 +269,8 @@ class DropoutAfterNormDecoderLayer(DecoderLayer):
 EncoderLayer._after_norm, DecoderLayer._after_norm = DropoutAfterNormEncoderLayer, DropoutAfterNormDecoderLayer
 
 
-class Encoder(StackDoor, Module):
-    """A stack of `n_layers` EncoderLayers (`layers.0`, `layers.1`, ...), then `norm` (a LayerNorm) if final_norm.
-
-    final_norm=None means "as norm_first": on for Pre-LN (whose residual stream is never normalized otherwise),
-    off for Post-LN (whose last layer already ends with a LayerNorm). `attention_weights()` lists each layer's
-    self-attention weights (B, H, S, S) from the last forward.
-    """
+class _Stack(StackDoor, Module):
+    """n_layers layers of `_layer` (`layers.0`, ...), then `norm` if final_norm (None: as norm_first)."""
 
     def __init__(
         self,
@@ -322,16 +288,28 @@ class Encoder(StackDoor, Module):
         **layer_options,
     ):
         super().__init__()
-        check_sizes("Encoder", n_layers=n_layers)
-        final_norm = check_flag("Encoder", "final_norm", norm_first if final_norm is None else final_norm)
+        owner, make = type(self).__name__, self._layer
+        check_sizes(owner, n_layers=n_layers)
+        final_norm = check_flag(owner, "final_norm", norm_first if final_norm is None else final_norm)
         dt, rng = check_dtype(dtype), as_rng(rng)
         self.layers = ModuleList(
-            EncoderLayer(d_model, n_heads, d_ff, dropout, activation, norm_first, rng=rng, dtype=dt, **layer_options)
+            make(d_model, n_heads, d_ff, dropout, activation, norm_first, rng=rng, dtype=dt, **layer_options)
             for _ in range(n_layers)
         )
         self.norm = LayerNorm(d_model, dtype=dt) if final_norm else None
 
     _cacheless_backwards = ("backward",)  # the layers keep the caches
+
+
+class Encoder(_Stack):
+    """A stack of `n_layers` EncoderLayers (`layers.0`, `layers.1`, ...), then `norm` (a LayerNorm) if final_norm.
+
+    final_norm=None means "as norm_first": on for Pre-LN (whose residual stream is never normalized otherwise),
+    off for Post-LN (whose last layer already ends with a LayerNorm). `attention_weights()` lists each layer's
+    self-attention weights (B, H, S, S) from the last forward.
+    """
+
+    _layer = EncoderLayer
 
     def forward(self, x: np.ndarray, src_mask: np.ndarray | None = None) -> np.ndarray:
         for layer in self.layers:
@@ -349,39 +327,14 @@ class Encoder(StackDoor, Module):
         return [layer.self_attn.attn_weights for layer in self.layers]
 
 
-class Decoder(StackDoor, Module):
+class Decoder(_Stack):
     """A stack of `n_layers` DecoderLayers, every one attending to the same `memory`, then an optional `norm`.
 
     forward(x, memory, tgt_mask, memory_mask) -> (B, T, d); backward(dy) -> (dx, dmemory), where dmemory sums
     the gradients from every layer's cross-attention. final_norm as in `Encoder`.
     """
 
-    def __init__(
-        self,
-        n_layers: int,
-        d_model: int,
-        n_heads: int,
-        d_ff: int,
-        dropout: float = 0.1,
-        activation: str = "relu",
-        norm_first: bool = False,
-        final_norm: bool | None = None,
-        *,
-        rng=None,
-        dtype=np.float32,
-        **layer_options,
-    ):
-        super().__init__()
-        check_sizes("Decoder", n_layers=n_layers)
-        final_norm = check_flag("Decoder", "final_norm", norm_first if final_norm is None else final_norm)
-        dt, rng = check_dtype(dtype), as_rng(rng)
-        self.layers = ModuleList(
-            DecoderLayer(d_model, n_heads, d_ff, dropout, activation, norm_first, rng=rng, dtype=dt, **layer_options)
-            for _ in range(n_layers)
-        )
-        self.norm = LayerNorm(d_model, dtype=dt) if final_norm else None
-
-    _cacheless_backwards = ("backward",)  # the layers keep the caches
+    _layer = DecoderLayer
 
     def forward(
         self,
@@ -420,3 +373,7 @@ class Decoder(StackDoor, Module):
         if kind not in ("self", "cross"):
             raise ValueError(f"Decoder.attention_weights: kind must be 'self' or 'cross', got {kind!r}")
         return [(layer.self_attn if kind == "self" else layer.cross_attn).attn_weights for layer in self.layers]
+
+
+for _cls in (EncoderLayer, DecoderLayer, Encoder, Decoder):
+    own_init(_cls)  # a wrong argument is refused in the name of the class built, not of _Layer / _Stack

@@ -186,7 +186,8 @@ class Dropout(Module):
         check_input("Dropout", x)
         ok = isinstance(mask, np.ndarray) and mask.dtype == np.bool_ and mask.shape == x.shape
         if mask is not None and self.training and not ok:  # in eval mode the mask is not used
-            raise ValueError(f"Dropout: mask expected a bool array of shape {x.shape}, got {_describe(mask)}")
+            got = f"{mask.dtype} array of shape {mask.shape}" if isinstance(mask, np.ndarray) else type(mask).__name__
+            raise ValueError(f"Dropout: mask expected a bool array of shape {x.shape}, got {got}")
 
     def forward(self, x: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
         if not self.training or (self.p == 0 and mask is None):
@@ -205,10 +206,6 @@ class Dropout(Module):
 
     def extra_repr(self) -> str:
         return f"p={self.p}"
-
-
-def _describe(a) -> str:
-    return f"{a.dtype} array of shape {a.shape}" if isinstance(a, np.ndarray) else type(a).__name__
 
 
 class LayerNorm(Module):

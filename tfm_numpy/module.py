@@ -64,17 +64,11 @@ def check_dtype(dtype) -> np.dtype:
     return dt
 
 
-# -- the door: what a forward keeps, what a call from outside is checked for ---------------------------------------
-#
-# A model calls its layers, and they call theirs: only the outermost call comes from a caller outside the library.
-# That call is the door, and two things happen there, once, for every Module subclass without code of its own:
-# - the arrays the caller hands in are copied (a forward caches references to what backward needs; NumPy has no
-#   version counter, so a caller changing its array in place between forward and backward would silently corrupt
-#   the gradients: torch refuses that, we copy); arrays made inside the library are never copied;
-# - the module's `_check_<method>` (say `_check_forward`), if it has one, checks the arguments; inner calls trust
-#   their caller, so a printed `forward` holds the chapter's math and not its guard rails. After a forward, the
-#   door of `backward` checks grad_out against the output's shape and dtype (`_check_backward` below).
-# `_ENTRY_POINTS` are the wrapped forwards, `_BACKWARDS` the backwards and the forward whose output they take.
+# -- the door: what a forward keeps, what a call from outside is checked for (see `Module`) ---------------------------
+# Only the outermost call comes from a caller outside the library: there the caller's arrays are copied (NumPy has no
+# version counter: an array changed in place between forward and backward would silently corrupt the gradients;
+# torch refuses that, we copy) and `_check_<method>` runs; inner calls trust their caller, so a printed `forward`
+# holds the chapter's math, not its guard rails. `_BACKWARDS`: each backward and the forward whose output it takes.
 _ENTRY_POINTS = ("forward", "encode", "decode", "decode_step", "forward_step")
 _BACKWARDS = {"backward": "forward", "decode_backward": "decode", "encode_backward": "encode"}
 _CALLS = threading.local()  # .depth: how many entry points are running (0: the next call comes from the caller)
@@ -215,21 +209,16 @@ class Module:
     def __call__(self, *args, **kwargs):
         return self.forward(*args, **kwargs)
 
-    def _check_backward(self, grad_out=None, *args, **kwargs) -> None:
-        """At the door of `backward`: grad_out shaped and typed like the last forward's output (when it was one
-        array). A module whose backward takes something else overrides this."""
-        self._check_grad_out("forward", "backward", grad_out)
-
-    def _check_decode_backward(self, grad_out=None, *args, **kwargs) -> None:
-        self._check_grad_out("decode", "decode_backward", grad_out)
-
-    def _check_encode_backward(self, grad_out=None, *args, **kwargs) -> None:
-        self._check_grad_out("encode", "encode_backward", grad_out)
-
-    def _check_grad_out(self, entry: str, name: str, grad_out) -> None:
-        spec = self.__dict__.get("_outputs", {}).get(entry)
+    def _check_grad_out(self, name: str, grad_out=None, *args, **kwargs) -> None:
+        """At the door of backward `name`: grad_out shaped and typed like the last output of its forward (when it was
+        one array). A module whose backward takes something else overrides `_check_backward` (or its twin)."""
+        spec = self.__dict__.get("_outputs", {}).get(_BACKWARDS[name])
         if spec is not None:
-            check_grad(f"{type(self).__name__}", grad_out, *spec, method=name)
+            check_grad(type(self).__name__, grad_out, *spec, method=name)
+
+    _check_backward = functools.partialmethod(_check_grad_out, "backward")
+    _check_decode_backward = functools.partialmethod(_check_grad_out, "decode_backward")
+    _check_encode_backward = functools.partialmethod(_check_grad_out, "encode_backward")
 
     def _saved(self):
         """What `forward` cached, for one backward; a clear error when `backward` comes first or comes twice."""

@@ -8,21 +8,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from tfm_common.validate import check_sizes
+from tfm_common.config import FF_ACTIVATIONS as ACTIVATIONS
+from tfm_common.validate import check_choice, check_sizes
 
 from .layers import GELU, Dropout, Linear, ReLU
 from .module import Module, as_rng, check_dtype
 
 __all__ = ["ACTIVATIONS", "PositionwiseFeedForward"]
-
-ACTIVATIONS = ("relu", "gelu")  # the two that torch.nn.TransformerEncoderLayer accepts by name (gelu: exact)
-
-
-def check_activation(owner: str, name) -> str:
-    """The activation's name, validated; `owner` names the layer in the error message."""
-    if name not in ACTIVATIONS:
-        raise ValueError(f"{owner}: activation must be one of {ACTIVATIONS}, got {name!r}")
-    return name
 
 
 class PositionwiseFeedForward(Module):
@@ -51,7 +43,8 @@ class PositionwiseFeedForward(Module):
         dt, rng = check_dtype(dtype), as_rng(rng)
         self.d_model, self.d_ff, self.activation_name = d_model, d_ff, activation
         self.linear1 = Linear(d_model, d_ff, rng=rng, dtype=dt)  # (d_ff, d_model)
-        self.activation = ReLU() if check_activation("PositionwiseFeedForward", activation) == "relu" else GELU()
+        act = check_choice("PositionwiseFeedForward", "activation", activation, ACTIVATIONS)
+        self.activation = ReLU() if act == "relu" else GELU()
         self.dropout = Dropout(dropout, rng=rng)  # on the d_ff hidden units
         self.linear2 = Linear(d_ff, d_model, rng=rng, dtype=dt)  # (d_model, d_ff)
 

@@ -14,9 +14,8 @@ import math
 
 import numpy as np
 
-from tfm_common.config import check_transformer_config
+from tfm_common.config import transformer_options
 from tfm_common.doors import TransformerDoor
-from tfm_common.pitfalls import LAYER_PITFALLS, MODEL_PITFALLS, check_model_pitfalls
 from tfm_common.validate import check_size
 
 from .attention import check_attention, use_attention
@@ -24,15 +23,7 @@ from .encoder_decoder import Decoder, Encoder
 from .kv_cache import cache_append
 from .layers import Dropout, Embedding, LayerNorm, Linear
 from .masks import causal_mask, check_mask, decoder_mask, padding_mask
-from .module import (
-    Module,
-    Parameter,
-    as_rng,
-    check_dtype,
-    check_grad,
-    check_indices,
-    check_input,
-)
+from .module import Module, Parameter, as_rng, check_dtype, check_grad, check_indices, check_input
 from .positional import LearnedPositionalEmbedding, PositionalEncoding
 
 __all__ = ["xavier_uniform_", "Transformer"]
@@ -124,35 +115,11 @@ class Transformer(TransformerDoor, Module):
         rng=None,
         dtype=np.float32,
     ):
+        args = locals()  # the constructor's arguments, as a dict
         super().__init__()
-        pitfalls = dict(score_scale=score_scale, head_projection=head_projection, dropout_place=dropout_place,
-                        ff_dropout=ff_dropout, embed_scale=embed_scale, embed_norm=embed_norm,
-                        tgt_padding_mask=tgt_padding_mask)  # fmt: skip
-        self.config = check_transformer_config(
-            "Transformer",
-            dict(
-                src_vocab_size=src_vocab_size,
-                tgt_vocab_size=tgt_vocab_size,
-                d_model=d_model,
-                n_heads=n_heads,
-                d_ff=d_ff,
-                n_layers=n_layers,
-                dropout=dropout,
-                max_len=max_len,
-                norm_first=norm_first,
-                positional=positional,
-                share_embeddings=share_embeddings,
-                tie_output=tie_output,
-                pad_id=pad_id,
-                activation=activation,
-                final_norm=final_norm,
-            ),
-        )
-        # the pitfall options (chapter 16a) join the configuration only where they differ from the paper's
-        self.config.update(check_model_pitfalls("Transformer", self.config["norm_first"], pitfalls))
-        c = self.config  # the checked arguments, sizes as Python ints (JSON-able: checkpoints record them)
-        opts = {**MODEL_PITFALLS, **c}
-        layer_opts = {k: opts[k] for k in LAYER_PITFALLS if opts[k] != LAYER_PITFALLS[k]}
+        # the checked arguments, sizes as Python ints (JSON-able: checkpoints record them), and the pitfall options
+        self.config, opts, layer_opts = transformer_options("Transformer", args)
+        c = self.config
         embed_scale, self.tgt_padding_mask = opts["embed_scale"], opts["tgt_padding_mask"]
         self._in_scale = math.sqrt(c["d_model"]) if embed_scale == "embedding" else None  # times the embeddings
         self._out_scale = c["d_model"] ** -0.5 if embed_scale == "logits" else None  # times the logits

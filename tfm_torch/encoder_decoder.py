@@ -12,24 +12,27 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tfm_common.config import FF_ACTIVATIONS, own_init
 from tfm_common.doors import DecoderLayerDoor, EncoderLayerDoor, StackDoor
 from tfm_common.pitfalls import DROPOUT_PLACES
-from tfm_common.validate import check_flag, check_sizes
+from tfm_common.validate import check_choice, check_flag, check_sizes
 
 from .attention import make_attention
 from .layers import Dropout, LayerNorm
 from .masks import check_mask
 from .module import Module, as_generator, check_dtype, check_input
-from .sublayers import PositionwiseFeedForward, check_activation
+from .sublayers import PositionwiseFeedForward
 
 __all__ = ["DROPOUT_PLACES", "EncoderLayer", "DecoderLayer", "DropoutAfterNormEncoderLayer",
            "DropoutAfterNormDecoderLayer", "Encoder", "Decoder"]  # fmt: skip
 
 
-class EncoderLayer(EncoderLayerDoor, Module):
-    """Self-attention, then feed-forward, each in a residual connection with a LayerNorm (twin of tfm_numpy's)."""
+class _Layer(Module):
+    """The construction an encoder and a decoder layer share: self_attn (and the decoder's cross_attn), ff, and per
+    sublayer one LayerNorm (norm1, ...) and one residual Dropout (dropout1, ...), registered in that order."""
 
     _check_float, _check_mask = staticmethod(check_input), staticmethod(check_mask)  # the door's checks
+    _owner, _cross = "EncoderLayer", False
 
     def __init__(
         self,
@@ -48,18 +51,29 @@ class EncoderLayer(EncoderLayerDoor, Module):
         dtype=None,
     ):
         super().__init__()
-        check_sizes("EncoderLayer", d_model=d_model, n_heads=n_heads, d_ff=d_ff)
-        check_activation("EncoderLayer", activation)
-        self._options("EncoderLayer", norm_first, dropout_place, ff_dropout)
+        check_sizes(self._owner, d_model=d_model, n_heads=n_heads, d_ff=d_ff)
+        check_choice(self._owner, "activation", activation, FF_ACTIVATIONS)
+        self._options(self._owner, norm_first, dropout_place, ff_dropout)
         dt, gen = check_dtype(dtype), as_generator(rng)
         attn = dict(score_scale=score_scale, rng=gen, dtype=dt)
         self.self_attn = make_attention(head_projection, d_model, n_heads, dropout, **attn)
+        if self._cross:  # the decoder's attention to the encoder's output
+            self.cross_attn = make_attention(head_projection, d_model, n_heads, dropout, **attn)
         ff_p = dropout if self.ff_dropout else 0.0  # ff_dropout=False (chapter 16a): none on the hidden units
         self.ff = PositionwiseFeedForward(d_model, d_ff, ff_p, activation, rng=gen, dtype=dt)
-        self.norm1 = LayerNorm(d_model, dtype=dt)
-        self.norm2 = LayerNorm(d_model, dtype=dt)
-        self.dropout1 = Dropout(dropout, rng=gen)
-        self.dropout2 = Dropout(dropout, rng=gen)
+        n_sublayers = 3 if self._cross else 2
+        for i in range(1, n_sublayers + 1):
+            setattr(self, f"norm{i}", LayerNorm(d_model, dtype=dt))
+        for i in range(1, n_sublayers + 1):  # on sublayer i's output, before the residual sum
+            setattr(self, f"dropout{i}", Dropout(dropout, rng=gen))
+
+    # -- the self-attention sublayer, the same in both layers -----------------------------------------------------
+    def _sa_block(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        return self.dropout1(self.self_attn(x, x, x, mask))
+
+
+class EncoderLayer(EncoderLayerDoor, _Layer):
+    """Self-attention, then feed-forward, each in a residual connection with a LayerNorm (twin of tfm_numpy's)."""
 
     def forward(self, x: torch.Tensor, src_mask: torch.Tensor | None = None) -> torch.Tensor:
         if self.norm_first:
@@ -70,51 +84,15 @@ class EncoderLayer(EncoderLayerDoor, Module):
             x = self.norm2(x + self._ff_block(x))
         return x  # (B, S, d)
 
-    def _sa_block(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        return self.dropout1(self.self_attn(x, x, x, mask))
-
     def _ff_block(self, x: torch.Tensor) -> torch.Tensor:
         return self.dropout2(self.ff(x))
 
 
-class DecoderLayer(DecoderLayerDoor, Module):
+class DecoderLayer(DecoderLayerDoor, _Layer):
     """Masked self-attention, cross-attention to `memory`, feed-forward; each in a residual connection with a
     LayerNorm (twin of tfm_numpy's)."""
 
-    _check_float, _check_mask = staticmethod(check_input), staticmethod(check_mask)  # the door's checks
-
-    def __init__(
-        self,
-        d_model: int,
-        n_heads: int,
-        d_ff: int,
-        dropout: float = 0.1,
-        activation: str = "relu",
-        norm_first: bool = False,
-        *,
-        score_scale: str = "d_k",
-        head_projection: str = "full",
-        dropout_place: str = "sublayer",
-        ff_dropout: bool = True,
-        rng=None,
-        dtype=None,
-    ):
-        super().__init__()
-        check_sizes("DecoderLayer", d_model=d_model, n_heads=n_heads, d_ff=d_ff)
-        check_activation("DecoderLayer", activation)
-        self._options("DecoderLayer", norm_first, dropout_place, ff_dropout)
-        dt, gen = check_dtype(dtype), as_generator(rng)
-        attn = dict(score_scale=score_scale, rng=gen, dtype=dt)
-        self.self_attn = make_attention(head_projection, d_model, n_heads, dropout, **attn)
-        self.cross_attn = make_attention(head_projection, d_model, n_heads, dropout, **attn)
-        ff_p = dropout if self.ff_dropout else 0.0  # ff_dropout=False (chapter 16a): none on the hidden units
-        self.ff = PositionwiseFeedForward(d_model, d_ff, ff_p, activation, rng=gen, dtype=dt)
-        self.norm1 = LayerNorm(d_model, dtype=dt)
-        self.norm2 = LayerNorm(d_model, dtype=dt)
-        self.norm3 = LayerNorm(d_model, dtype=dt)
-        self.dropout1 = Dropout(dropout, rng=gen)
-        self.dropout2 = Dropout(dropout, rng=gen)
-        self.dropout3 = Dropout(dropout, rng=gen)
+    _owner, _cross = "DecoderLayer", True
 
     def forward(
         self,
@@ -160,9 +138,6 @@ class DecoderLayer(DecoderLayerDoor, Module):
     def _mha_block_step(self, x, memory, mask, cache: dict) -> torch.Tensor:
         return self.dropout2(self.cross_attn.forward_step(x, memory, memory, cache, mask, static=True))
 
-    def _sa_block(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        return self.dropout1(self.self_attn(x, x, x, mask))
-
     def _mha_block(self, x: torch.Tensor, memory: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         return self.dropout2(self.cross_attn(x, memory, memory, mask))  # queries x, keys and values memory
 
@@ -197,8 +172,8 @@ class DropoutAfterNormDecoderLayer(DecoderLayer):
 EncoderLayer._after_norm, DecoderLayer._after_norm = DropoutAfterNormEncoderLayer, DropoutAfterNormDecoderLayer
 
 
-class Encoder(StackDoor, Module):
-    """`n_layers` EncoderLayers (`layers.0`, ...), then `norm` if final_norm (None: as norm_first)."""
+class _Stack(StackDoor, Module):
+    """n_layers layers of `_layer` (`layers.0`, ...), then `norm` if final_norm (None: as norm_first)."""
 
     def __init__(
         self,
@@ -216,14 +191,21 @@ class Encoder(StackDoor, Module):
         **layer_options,
     ):
         super().__init__()
-        check_sizes("Encoder", n_layers=n_layers)
-        final_norm = check_flag("Encoder", "final_norm", norm_first if final_norm is None else final_norm)
+        owner, make = type(self).__name__, self._layer
+        check_sizes(owner, n_layers=n_layers)
+        final_norm = check_flag(owner, "final_norm", norm_first if final_norm is None else final_norm)
         dt, gen = check_dtype(dtype), as_generator(rng)
         self.layers = nn.ModuleList(
-            EncoderLayer(d_model, n_heads, d_ff, dropout, activation, norm_first, rng=gen, dtype=dt, **layer_options)
+            make(d_model, n_heads, d_ff, dropout, activation, norm_first, rng=gen, dtype=dt, **layer_options)
             for _ in range(n_layers)
         )
         self.norm = LayerNorm(d_model, dtype=dt) if final_norm else None
+
+
+class Encoder(_Stack):
+    """`n_layers` EncoderLayers (`layers.0`, ...), then `norm` if final_norm (None: as norm_first)."""
+
+    _layer = EncoderLayer
 
     def forward(self, x: torch.Tensor, src_mask: torch.Tensor | None = None) -> torch.Tensor:
         for layer in self.layers:
@@ -235,33 +217,10 @@ class Encoder(StackDoor, Module):
         return [layer.self_attn.attn_weights for layer in self.layers]
 
 
-class Decoder(StackDoor, Module):
+class Decoder(_Stack):
     """`n_layers` DecoderLayers, every one attending to the same `memory`, then `norm` if final_norm."""
 
-    def __init__(
-        self,
-        n_layers: int,
-        d_model: int,
-        n_heads: int,
-        d_ff: int,
-        dropout: float = 0.1,
-        activation: str = "relu",
-        norm_first: bool = False,
-        final_norm: bool | None = None,
-        *,
-        rng=None,
-        dtype=None,
-        **layer_options,
-    ):
-        super().__init__()
-        check_sizes("Decoder", n_layers=n_layers)
-        final_norm = check_flag("Decoder", "final_norm", norm_first if final_norm is None else final_norm)
-        dt, gen = check_dtype(dtype), as_generator(rng)
-        self.layers = nn.ModuleList(
-            DecoderLayer(d_model, n_heads, d_ff, dropout, activation, norm_first, rng=gen, dtype=dt, **layer_options)
-            for _ in range(n_layers)
-        )
-        self.norm = LayerNorm(d_model, dtype=dt) if final_norm else None
+    _layer = DecoderLayer
 
     def forward(
         self,
@@ -292,3 +251,7 @@ class Decoder(StackDoor, Module):
         if kind not in ("self", "cross"):
             raise ValueError(f"Decoder.attention_weights: kind must be 'self' or 'cross', got {kind!r}")
         return [(layer.self_attn if kind == "self" else layer.cross_attn).attn_weights for layer in self.layers]
+
+
+for _cls in (EncoderLayer, DecoderLayer, Encoder, Decoder):
+    own_init(_cls)  # a wrong argument is refused in the name of the class built, not of _Layer / _Stack

@@ -79,12 +79,8 @@ def check_indices(name: str, x, high: int, ignore: int | None = None) -> torch.T
     return x
 
 
-# -- the door: a call from outside the library is checked once --------------------------------------------------------
-#
-# As in tfm_numpy: a model calls its layers, and only the outermost call comes from outside. There the module's
-# `_check_<method>` (say `_check_forward`), where it has one, checks the arguments; the calls a model makes to its own
-# layers trust their caller, so a printed `forward` holds the chapter's math, not its guard rails. Under
-# torch.compile the checks are traced at every level (dynamo inlines the body; the shape checks become guards).
+# -- the door: a call from outside the library is checked once, as in tfm_numpy (see its module.py) ------------------
+# Under torch.compile the checks are traced at every level (dynamo inlines the body; the shape checks become guards).
 _ENTRY_POINTS = ("forward", "encode", "decode", "decode_step", "forward_step")
 _CALLS = threading.local()  # .depth: how many entry points are running (0: the next call comes from the caller)
 
@@ -123,10 +119,8 @@ class Module(torch.nn.Module):
     checked before any parameter changes (torch's own copies every matching entry first, then raises), with the
     same errors as tfm_numpy (KeyError for keys, ValueError for a shape), and NumPy arrays are taken as tensors
     (tfm_numpy takes tensors), so one state_dict loads into either track. Every module of this track derives from
-    it; torch calls the override of the module it loads into, and walks the children itself.
-
-    Its forwards (and `encode`, `decode`, ...) are checked at the door, as tfm_numpy's: the outermost call runs the
-    module's `_check_forward` (`_check_decode`, ...) where it has one; the calls a model makes to its layers do not.
+    it; torch calls the override of the module it loads into, and walks the children itself. Its forwards (and
+    `encode`, `decode`, ...) run `_check_forward` (`_check_decode`, ...) at the outermost call only, as tfm_numpy's.
     """
 
     def __init_subclass__(cls, **kwargs) -> None:
