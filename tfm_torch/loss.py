@@ -13,7 +13,7 @@ import torch
 from tfm_common.validate import check_probability, check_size
 
 from .functional import log_softmax
-from .module import Module, _autocast_dtype, check_indices, check_input
+from .module import Module, autocast_dtype, check_indices, check_input
 
 __all__ = ["CrossEntropyLoss"]
 
@@ -45,7 +45,7 @@ class CrossEntropyLoss(Module):
             torch.ones_like(targets, dtype=torch.bool) if self.ignore_index is None else targets != self.ignore_index
         )
         t = torch.where(valid, targets, 0).long()  # (...,) any class at ignored positions: masked below
-        if _autocast_dtype(logits):  # bfloat16/float16 logits under torch.autocast: the loss in float32
+        if autocast_dtype(logits):  # bfloat16/float16 logits under torch.autocast: the loss in float32
             logits = logits.float()
         logp = log_softmax(logits)  # (..., V)
         nll = -logp.gather(-1, t.unsqueeze(-1)).squeeze(-1)  # (...,)

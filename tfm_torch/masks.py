@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .module import _autocast_dtype
+from .module import autocast_dtype
 
 __all__ = ["padding_mask", "causal_mask", "decoder_mask", "check_mask", "check_qkv"]
 
@@ -63,7 +63,7 @@ def check_qkv(q, k, v=None, *, mask=None) -> None:
             continue
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name}: {arg} must be a torch.Tensor, got {type(x).__name__}")
-        if x.dtype not in (torch.float32, torch.float64) and not _autocast_dtype(x):
+        if x.dtype not in (torch.float32, torch.float64) and not autocast_dtype(x):
             raise TypeError(f"{name}: {arg} must be float32 or float64, got dtype {x.dtype}")
         if x.dtype != q.dtype:
             raise TypeError(f"{name}: q and {arg} must share a dtype, got {q.dtype} and {x.dtype}")

@@ -31,7 +31,7 @@ def check_dtype(dtype) -> torch.dtype:
     return dtype
 
 
-def _autocast_dtype(x: torch.Tensor) -> bool:
+def autocast_dtype(x: torch.Tensor) -> bool:
     """x is bfloat16/float16 inside an enabled torch.autocast region of its device."""
     return x.dtype in (torch.bfloat16, torch.float16) and torch.is_autocast_enabled(x.device.type)
 
@@ -40,7 +40,7 @@ def check_input(name: str, x, ndim_min: int = 1, last_dim: int | None = None, dt
     """Validate a floating input at a public boundary; the message names the layer and what was expected."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
-    if not _autocast_dtype(x):  # under torch.autocast, activations come in its dtype while parameters stay float32
+    if not autocast_dtype(x):  # under torch.autocast, activations come in its dtype while parameters stay float32
         if x.dtype not in (torch.float32, torch.float64):
             raise TypeError(f"{name}: expected a float32 or float64 tensor, got dtype {x.dtype}")
         if dtype is not None and x.dtype != dtype:
