@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from .validate import check_size, check_sizes
 
-__all__ = ["check_heads", "check_kv_heads", "check_rotary", "refuse_flash_dropout", "MultiHeadAttentionDoor",
-           "GroupedQueryAttentionDoor", "switch_attention", "attention_repr", "tiles", "mask_tile"]  # fmt: skip
+__all__ = ["check_heads", "check_kv_heads", "check_rotary", "refuse_flash_dropout", "cached_positions",
+           "MultiHeadAttentionDoor", "GroupedQueryAttentionDoor", "switch_attention", "attention_repr", "tiles",
+           "mask_tile"]  # fmt: skip
 
 
 def check_heads(owner: str, d_model, n_heads) -> tuple[int, int, int]:
@@ -48,6 +49,16 @@ def refuse_flash_dropout(owner: str, module) -> None:
         )
 
 
+def cached_positions(owner: str, cache: dict, batch: int) -> int:
+    """How many positions a self-attention's decoding cache holds, after checking it holds the input's batch."""
+    if "k" in cache and cache["k"].shape[0] != batch:
+        raise ValueError(
+            f"{owner}: the cache holds {cache['k'].shape[0]} rows, the input has {batch}; start a new cache for "
+            "a new batch (or reorder it with reorder_cache)"
+        )
+    return cache["k"].shape[2] if "k" in cache else 0
+
+
 class AttentionDoor:
     def _check_inputs(self, owner: str, inputs: dict, **kwargs) -> None:
         """Each input (B, T, d_model) of the module's dtype; for query, key and value one batch size, and keys and
@@ -64,14 +75,9 @@ class AttentionDoor:
         if k[1] != v[1]:
             raise ValueError(f"{owner}: key and value lengths differ: key {k}, value {v}")
 
-    def _check_call(self, owner: str, batch: int, tq: int, tk: int, mask, cache: dict | None = None) -> None:
-        """The rows of a decoding cache; the mask against the scores (B, H, Tq, Tk) (also for attention="sdpa", whose
-        kernel would read a float mask as an additive bias); the tiled kernel's refusal of attention dropout."""
-        if cache is not None and "k" in cache and cache["k"].shape[0] != batch:
-            raise ValueError(
-                f"{owner}: the cache holds {cache['k'].shape[0]} rows, the input has {batch}; start a new cache for "
-                "a new batch (or reorder it with reorder_cache)"
-            )
+    def _check_call(self, owner: str, batch: int, tq: int, tk: int, mask) -> None:
+        """The mask against the scores (B, H, Tq, Tk) (also for attention="sdpa", whose kernel would read a float
+        mask as an additive bias); the tiled kernel's refusal of attention dropout."""
         if mask is not None:
             self._check_mask(mask, (batch, self.n_heads, tq, tk))
         refuse_flash_dropout(owner, self)
@@ -84,9 +90,9 @@ class MultiHeadAttentionDoor(AttentionDoor):
 
     def _check_forward_step(self, query, key, value, cache: dict, mask=None, *, static: bool = False) -> None:
         self._check_inputs("MultiHeadAttention", {"query": query, "key": key, "value": value})
-        cached = cache["k"].shape[2] if "k" in cache else 0  # positions (or, static, memory keys) already there
+        cached = cached_positions("MultiHeadAttention", cache, query.shape[0])  # (or, static, memory keys)
         keys = cached if static and "k" in cache else cached + key.shape[1]
-        self._check_call("MultiHeadAttention", query.shape[0], query.shape[1], keys, mask, cache)
+        self._check_call("MultiHeadAttention", query.shape[0], query.shape[1], keys, mask)
 
 
 class GroupedQueryAttentionDoor(AttentionDoor):
@@ -96,8 +102,8 @@ class GroupedQueryAttentionDoor(AttentionDoor):
 
     def _check_forward_step(self, x, cache, mask=None) -> None:
         self._check_inputs("GroupedQueryAttention", {"x": x}, ndim_min=3)
-        keys = (cache["k"].shape[2] if "k" in cache else 0) + x.shape[1]  # the cached positions and the new ones
-        self._check_call("GroupedQueryAttention", x.shape[0], x.shape[1], keys, mask, cache)
+        keys = cached_positions("GroupedQueryAttention", cache, x.shape[0]) + x.shape[1]  # and the new ones
+        self._check_call("GroupedQueryAttention", x.shape[0], x.shape[1], keys, mask)
 
 
 def switch_attention(model, modules, attention: str, tile_size: int):

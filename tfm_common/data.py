@@ -73,9 +73,6 @@ def _rng(rng, name: str) -> np.random.Generator:
     raise TypeError(f"{name}: rng expected a numpy.random.Generator, an int seed or None, got {type(rng).__name__}")
 
 
-# -- vocabulary ----------------------------------------------------------------------------------------------
-
-
 class Vocab:
     """Tokens <-> ids, with the four special tokens at fixed ids 0..3 and the ordinary tokens after them.
 

@@ -12,6 +12,7 @@ and tensors share.
 
 from __future__ import annotations
 
+from .attention import cached_positions
 from .pitfalls import check_layer_pitfalls
 from .validate import check_decode_cache, check_flag
 
@@ -66,17 +67,8 @@ class DecoderLayerDoor(LayerDoor):
 
     def _check_forward_step(self, x, memory, cache, tgt_mask=None, memory_mask=None) -> None:
         self._check_x("DecoderLayer: x", x)
-        self._check_forward(x, memory, tgt_mask, memory_mask, cached=_cached(cache.get("self_attn", {}), x))
-
-
-def _cached(cache: dict, x) -> int:
-    """How many positions a self-attention's decoding cache holds, after checking it holds x's batch."""
-    if "k" in cache and cache["k"].shape[0] != x.shape[0]:
-        raise ValueError(
-            f"MultiHeadAttention: the cache holds {cache['k'].shape[0]} rows, the input has {x.shape[0]}; start a new "
-            "cache for a new batch (or reorder it with reorder_cache)"
-        )
-    return cache["k"].shape[2] if "k" in cache else 0
+        cached = cached_positions("MultiHeadAttention", cache.get("self_attn", {}), x.shape[0])
+        self._check_forward(x, memory, tgt_mask, memory_mask, cached=cached)
 
 
 class StackDoor:

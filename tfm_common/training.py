@@ -171,9 +171,6 @@ class History:
         )
 
 
-# -- modes ----------------------------------------------------------------------------------------------------------
-
-
 def _modes(model) -> list:
     """Every submodule with its mode (`.training`), parents before children (`named_modules`, both tracks; a
     stand-in model without submodules is its only one)."""

@@ -15,7 +15,7 @@ import numpy as np
 
 __all__ = ["check_size", "check_sizes", "check_flag", "check_choice", "check_seed", "check_real", "check_probability",
            "check_padding_idx", "check_positions", "check_adam_args", "normalized_shape",
-           "check_decode_cache"]  # fmt: skip
+           "check_decode_cache", "decreed_zero_rows"]  # fmt: skip
 
 
 def _is_int(value) -> bool:
@@ -158,3 +158,13 @@ def check_decode_cache(cache, batch: int) -> None:
             f"Transformer.decode_step: the cache holds {cache['keep'].shape[0]} sequences, tgt_new has {batch}: "
             "start a new cache ({}) for another batch, or select rows with reorder_cache"
         )
+
+
+def decreed_zero_rows(module) -> dict[str, int]:
+    """{parameter name: row} for every Embedding-like submodule with a padding_idx (grad_check of both tracks)."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    rows = {}
+    for _, m in module.named_modules():
+        if getattr(m, "padding_idx", None) is not None and id(getattr(m, "weight", None)) in names:
+            rows[names[id(m.weight)]] = m.padding_idx
+    return rows

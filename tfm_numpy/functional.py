@@ -72,7 +72,6 @@ def log_softmax_backward(logp: np.ndarray, grad_logp: np.ndarray, axis: int = -1
     return grad_logp - np.exp(logp) * grad_logp.sum(axis=axis, keepdims=True)
 
 
-# -- erf ----------------------------------------------------------------------------------
 # NumPy has no erf (SciPy does, but it is not a dependency), and calling math.erf element by
 # element is slow. We use piecewise Taylor polynomials instead:
 #   erf(c + t) = erf(c) + 2/sqrt(pi) exp(-c^2) sum_{n>=0} (-1)^n H_n(c) t^(n+1) / (n+1)!

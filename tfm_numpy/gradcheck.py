@@ -20,6 +20,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from tfm_common.validate import decreed_zero_rows as _decreed_zero_rows
+
 from .module import Module
 
 __all__ = ["rel_error", "numeric_grad", "grad_check"]
@@ -141,13 +143,3 @@ def _input_grads(grads, n_inputs: int, float_pos: list[int]) -> tuple:
     if len(grads) != len(float_pos):
         raise ValueError(f"grad_check: backward returned {len(grads)} gradient(s) for {len(float_pos)} float input(s)")
     return grads
-
-
-def _decreed_zero_rows(module: Module) -> dict[str, int]:
-    """{parameter name: row} for every Embedding-like submodule with a padding_idx."""
-    names = {id(p): n for n, p in module.named_parameters()}
-    rows = {}
-    for _, m in module.named_modules():
-        if getattr(m, "padding_idx", None) is not None and id(getattr(m, "weight", None)) in names:
-            rows[names[id(m.weight)]] = m.padding_idx
-    return rows

@@ -31,9 +31,6 @@ __all__ = [
 ]
 
 
-# -- RMSNorm -------------------------------------------------------------------------------------------------------
-
-
 class RMSNorm(Module):
     """Root-mean-square normalization (Zhang and Sennrich, 2019), as torch.nn.RMSNorm over the last dimension:
 

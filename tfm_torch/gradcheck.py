@@ -12,6 +12,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from tfm_common.validate import decreed_zero_rows as _decreed_zero_rows
+
 __all__ = ["rel_error", "numeric_grad", "grad_check"]
 
 _SALT = 0x67726164  # "grad"
@@ -93,12 +95,3 @@ def grad_check(
 
 def _is_float(x) -> bool:
     return isinstance(x, torch.Tensor) and x.is_floating_point()
-
-
-def _decreed_zero_rows(module: nn.Module) -> dict[str, int]:
-    names = {id(p): n for n, p in module.named_parameters()}
-    rows = {}
-    for _, m in module.named_modules():
-        if getattr(m, "padding_idx", None) is not None and id(getattr(m, "weight", None)) in names:
-            rows[names[id(m.weight)]] = m.padding_idx
-    return rows

@@ -103,12 +103,8 @@ class GELU(Module):
 
 
 class Dropout(Module):
-    """Inverted dropout: in training, zero each entry with probability p and scale the rest by 1/(1-p);
-    identity in eval. Masks come from `rng` (a torch.Generator or seed), not the global generator.
-
-    After a training forward, `mask` holds the boolean keep-mask used; `forward(x, mask=...)` applies a
-    given keep-mask instead (e.g. `torch.from_numpy(np_dropout.mask)`, to compare with tfm_numpy).
-    """
+    """Inverted dropout, as tfm_numpy.Dropout (`mask`, `forward(x, mask=...)`); `rng` a torch.Generator or seed,
+    never the global generator. A NumPy mask is given as `torch.from_numpy(np_dropout.mask)`."""
 
     def __init__(self, p: float = 0.5, *, rng=None):
         super().__init__()

@@ -19,12 +19,8 @@ __all__ = ["CrossEntropyLoss"]
 
 
 class CrossEntropyLoss(Module):
-    """Mean cross-entropy over positions whose target is not `ignore_index`; classes on the LAST axis.
-
-    logits (..., V), targets (...) integer. Label smoothing eps: q = (1 - eps) onehot + eps / V
-    (torch's convention). All positions ignored: loss 0 and zero gradient (torch's F.cross_entropy
-    returns nan there), as in tfm_numpy.
-    """
+    """As tfm_numpy.CrossEntropyLoss: logits (..., V) (classes on the LAST axis), targets (...) integer, label
+    smoothing in torch's convention; all positions ignored: loss 0 and zero gradient (F.cross_entropy: nan)."""
 
     def __init__(self, ignore_index: int | None = None, label_smoothing: float = 0.0):
         super().__init__()

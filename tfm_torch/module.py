@@ -97,13 +97,11 @@ def _at_the_door(method):
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
         check = getattr(self, f"_check_{name}", None)
+        if check is not None and at_the_door():
+            check(*args, **kwargs)
         if torch.compiler.is_compiling():
-            if check is not None:
-                check(*args, **kwargs)
             return method(self, *args, **kwargs)
         depth = getattr(_CALLS, "depth", 0)
-        if depth == 0 and check is not None:
-            check(*args, **kwargs)
         _CALLS.depth = depth + 1
         try:
             return method(self, *args, **kwargs)
