@@ -13,7 +13,7 @@ export OMP_NUM_THREADS ?= 2
 export PYTHONHASHSEED := 0
 export PYDEVD_DISABLE_FILE_VALIDATION := 1
 
-.PHONY: venv book book-strict test lint unit nbval browser chromium lab-check notebooks lab clean
+.PHONY: venv book book-strict test lint unit nbval nbval-portable browser chromium lab-check notebooks lab clean
 
 venv: $(STAMP)
 
@@ -48,6 +48,15 @@ NBVAL_TWO_THREADS := 14a_translator_numpy 14b_translator_torch 15_performance 17
 nbval: venv
 	$(NBVAL) $(NBVAL_TWO_THREADS:%=chapters/%.ipynb)
 	OMP_NUM_THREADS=1 $(NBVAL) -n 2 --dist loadfile chapters $(NBVAL_TWO_THREADS:%=--ignore=chapters/%.ipynb)
+
+# The same strict notebook tests as on another CPU: other OpenBLAS kernels, torch's and MKL's kernels without
+# AVX2/AVX-512, another thread count than the stored run's. The stored outputs must pass here unchanged (what differs
+# between CPUs is masked by .nbval_sanitize.cfg and checked by the cells' own claims). Another configuration:
+#   make nbval-portable PORTABLE="OPENBLAS_CORETYPE=Haswell ATEN_CPU_CAPABILITY=avx2" PORTABLE_THREADS=4
+PORTABLE ?= OPENBLAS_CORETYPE=Sandybridge ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=AVX
+PORTABLE_THREADS ?= 1
+nbval-portable: venv
+	env $(PORTABLE) OMP_NUM_THREADS=$(PORTABLE_THREADS) $(NBVAL) -n 2 --dist loadfile chapters
 
 chromium:
 	@command -v chromium >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }

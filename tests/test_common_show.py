@@ -3,7 +3,7 @@
 import pytest
 
 import tfm_numpy as tnp
-from tfm_common.show import bound, print_errors, show_source
+from tfm_common.show import about, bound, print_errors, show_source
 
 
 def test_show_source_is_the_library_code():
@@ -12,7 +12,7 @@ def test_show_source_is_the_library_code():
     assert "def backward(self, grad_out" in md.data and "def __init__" not in md.data
 
 
-@pytest.mark.parametrize(("x", "text"), [(0.0, "0"), (3.2e-10, "< 1e-09"), (0.5, "< 1e+00"), (1e-16 * 1.5, "< 1e-15")])
+@pytest.mark.parametrize(("x", "text"), [(0.0, "0 exactly"), (3.2e-10, "< 1e-09"), (0.5, "< 1e+00"), (1e-16 * 1.5, "< 1e-15")])
 def test_bound(x, text):
     assert bound(x) == text
 
@@ -22,6 +22,20 @@ def test_bound_rejects_nan_and_negative():
         bound(float("nan"))
     with pytest.raises(ValueError, match="non-negative"):
         bound(-1.0)
+
+
+def test_bound_states_its_claim():
+    assert bound(3e-16, below=1e-12) == "< 1e-15"
+    assert bound(0.2, above=1e-3) == "< 1e+00"
+    with pytest.raises(AssertionError, match="expected an error below 1e-12, got 3.000e-09"):
+        bound(3e-9, below=1e-12)
+    with pytest.raises(AssertionError, match="expected an error above 1e-03, got 1.000e-06"):
+        bound(1e-6, above=1e-3)
+
+
+def test_about_marks_a_machine_dependent_result():
+    assert about(0.99351) == "~0.9935"
+    assert about(13, "d") == "~13"
 
 
 def test_print_errors_reports_failures(capsys):
