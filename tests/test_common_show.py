@@ -12,7 +12,9 @@ def test_show_source_is_the_library_code():
     assert "def backward(self, grad_out" in md.data and "def __init__" not in md.data
 
 
-@pytest.mark.parametrize(("x", "text"), [(0.0, "0 exactly"), (3.2e-10, "< 1e-09"), (0.5, "< 1e+00"), (1e-16 * 1.5, "< 1e-15")])
+@pytest.mark.parametrize(
+    ("x", "text"), [(0.0, "0 exactly"), (3.2e-10, "< 1e-09"), (0.5, "< 1e+00"), (1e-16 * 1.5, "< 1e-15")]
+)
 def test_bound(x, text):
     assert bound(x) == text
 

@@ -41,5 +41,7 @@ def test_every_printed_bound_states_its_claim(path):
 
 @pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
 def test_every_cell_that_prints_about_asserts(path):
-    loose = [src[:80] for src in code_cells(path) if calls(ast.parse(src), "about") and not re.search(r"\bassert\b", src)]
+    loose = [
+        src[:80] for src in code_cells(path) if calls(ast.parse(src), "about") and not re.search(r"\bassert\b", src)
+    ]
     assert not loose, f"cells that print about(...) (masked) without an assert of their claim: {loose}"
