@@ -1,13 +1,13 @@
 """The doors of the GPT, ViT and Swin modules, with their reprs and `attention_weights`, once for both tracks (as
 `tfm_common.doors` holds the 2017 model's): the track supplies `_check_float` (its check_input), `_check_ids` (its
 check_indices) and, for WindowAttention, the mask's `_mask_kind` = (array type, bool dtype, word). The attention
-weights are the last forward's (detached in tfm_torch). The constructors of Swin and PatchMerging are written here
-once too, from the track's building blocks `_parts` (as `tfm_common.doors`' layers are).
+weights are the last forward's (detached in tfm_torch). The constructors of Swin, SwinBlock and PatchMerging are
+written here once too, from the track's building blocks `_parts` (as `tfm_common.doors`' layers are).
 """
 
 from __future__ import annotations
 
-from .config import SWIN_ARGS, check_swin_config, swin_shift
+from .config import SWIN_ARGS, check_swin_config, check_window_grid, swin_shift
 from .sampling import check_generate, check_token_window
 from .validate import check_size
 
@@ -156,6 +156,24 @@ class GridDoor:
 
 class SwinBlockDoor(GridDoor):
     _owner, _norm = "SwinBlock", "norm1"
+
+    def __init__(self, d_model: int, n_heads: int, d_ff: int, resolution: tuple[int, int], window_size: int,
+                 shift: int = 0, dropout: float = 0.0, *, rng=None, dtype=None):  # fmt: skip
+        super().__init__()
+        H, W = resolution
+        check_window_grid("SwinBlock", H, W, window_size, shift)
+        check_size("SwinBlock", "d_ff", d_ff)
+        parts = self._parts
+        dt, rng = parts.check_dtype(dtype), parts.as_rng(rng)
+        self.d_model, self.resolution, self.window_size, self.shift = d_model, (H, W), window_size, shift
+        self.norm1 = parts.LayerNorm(d_model, dtype=dt)
+        self.attn = parts.WindowAttention(d_model, n_heads, window_size, dropout, rng=rng, dtype=dt)
+        self.norm2 = parts.LayerNorm(d_model, dtype=dt)
+        self.ff = parts.PositionwiseFeedForward(d_model, d_ff, dropout, "gelu", rng=rng, dtype=dt)
+        self.dropout1 = parts.Dropout(dropout, rng=rng)
+        self.dropout2 = parts.Dropout(dropout, rng=rng)
+        mask = parts.shifted_window_mask(H, W, window_size, shift) if shift else None  # (nW, M M, M M)
+        parts.keep_mask(self, "mask", mask)  # built once, at construction (tfm_torch: a buffer, not saved)
 
     def extra_repr(self) -> str:
         return f"resolution={self.resolution}, window_size={self.window_size}, shift={self.shift}"

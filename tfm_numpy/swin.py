@@ -183,22 +183,6 @@ class SwinBlock(SwinBlockDoor, Module):
 
     _check_float = staticmethod(check_input)  # see tfm_common.model_doors
 
-    def __init__(self, d_model: int, n_heads: int, d_ff: int, resolution: tuple[int, int], window_size: int,
-                 shift: int = 0, dropout: float = 0.0, *, rng=None, dtype=np.float32):  # fmt: skip
-        super().__init__()
-        H, W = resolution
-        check_window_grid("SwinBlock", H, W, window_size, shift)
-        check_size("SwinBlock", "d_ff", d_ff)
-        dt, rng = check_dtype(dtype), as_rng(rng)
-        self.d_model, self.resolution, self.window_size, self.shift = d_model, (H, W), window_size, shift
-        self.norm1 = LayerNorm(d_model, dtype=dt)
-        self.attn = WindowAttention(d_model, n_heads, window_size, dropout, rng=rng, dtype=dt)
-        self.norm2 = LayerNorm(d_model, dtype=dt)
-        self.ff = PositionwiseFeedForward(d_model, d_ff, dropout, "gelu", rng=rng, dtype=dt)
-        self.dropout1 = Dropout(dropout, rng=rng)
-        self.dropout2 = Dropout(dropout, rng=rng)
-        self.mask = shifted_window_mask(H, W, window_size, shift) if shift else None  # (nW, M M, M M)
-
     def forward(self, x: np.ndarray) -> np.ndarray:
         self._cache = x.shape  # a forward to differentiate
         x = x + self.dropout1(self._attend(self.norm1(x)))
@@ -278,10 +262,12 @@ class Swin(SwinDoor, Module):
         return self.patch_embed.backward(self.dropout.backward(dx))  # (B, C, H, W)
 
 
-# the building blocks of the constructors written in tfm_common.model_doors (SwinDoor, PatchMergingDoor)
-Swin._parts = PatchMerging._parts = SimpleNamespace(check_dtype=check_dtype, as_rng=as_rng, ModuleList=ModuleList,
-                                                    PatchEmbedding=PatchEmbedding, SwinBlock=SwinBlock,
-                                                    PatchMerging=PatchMerging, LayerNorm=LayerNorm, Linear=Linear,
-                                                    Dropout=Dropout)  # fmt: skip
-for _cls in (Swin, PatchMerging):
+# the building blocks of the constructors written in tfm_common.model_doors (SwinDoor, SwinBlockDoor, PatchMergingDoor)
+Swin._parts = SwinBlock._parts = PatchMerging._parts = SimpleNamespace(
+    check_dtype=check_dtype, as_rng=as_rng, ModuleList=ModuleList, LayerNorm=LayerNorm, Linear=Linear, Dropout=Dropout,
+    PatchEmbedding=PatchEmbedding, SwinBlock=SwinBlock, PatchMerging=PatchMerging, WindowAttention=WindowAttention,
+    PositionwiseFeedForward=PositionwiseFeedForward, shifted_window_mask=shifted_window_mask,
+    keep_mask=setattr,
+)  # fmt: skip
+for _cls in (Swin, SwinBlock, PatchMerging):
     own_init(_cls, dtype=np.float32)  # tfm_numpy's default dtype

@@ -3,6 +3,7 @@ tfm_numpy.swin; autograd does the backward. Masks are boolean, True = may attend
 
 from __future__ import annotations
 
+import functools
 import math
 from types import SimpleNamespace
 
@@ -124,23 +125,6 @@ class SwinBlock(SwinBlockDoor, Module):
 
     _check_float = staticmethod(check_input)  # see tfm_common.model_doors
 
-    def __init__(self, d_model: int, n_heads: int, d_ff: int, resolution: tuple[int, int], window_size: int,
-                 shift: int = 0, dropout: float = 0.0, *, rng=None, dtype=None):  # fmt: skip
-        super().__init__()
-        H, W = resolution
-        check_window_grid("SwinBlock", H, W, window_size, shift)
-        check_size("SwinBlock", "d_ff", d_ff)
-        dt, rng = check_dtype(dtype), as_generator(rng)
-        self.d_model, self.resolution, self.window_size, self.shift = d_model, (H, W), window_size, shift
-        self.norm1 = LayerNorm(d_model, dtype=dt)
-        self.attn = WindowAttention(d_model, n_heads, window_size, dropout, rng=rng, dtype=dt)
-        self.norm2 = LayerNorm(d_model, dtype=dt)
-        self.ff = PositionwiseFeedForward(d_model, d_ff, dropout, "gelu", rng=rng, dtype=dt)
-        self.dropout1 = Dropout(dropout, rng=rng)
-        self.dropout2 = Dropout(dropout, rng=rng)
-        mask = shifted_window_mask(H, W, window_size, shift) if shift else None
-        self.register_buffer("mask", mask, persistent=False)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.dropout1(self._attend(self.norm1(x)))
         return x + self.dropout2(self.ff(self.norm2(x)))
@@ -176,8 +160,10 @@ class Swin(SwinDoor, Module):
         return self.head(self.norm(x).mean(dim=1))
 
 
-# the building blocks of the constructors written in tfm_common.model_doors (SwinDoor, PatchMergingDoor)
-Swin._parts = PatchMerging._parts = SimpleNamespace(check_dtype=check_dtype, as_rng=as_generator,
-                                                    ModuleList=nn.ModuleList, PatchEmbedding=PatchEmbedding,
-                                                    SwinBlock=SwinBlock, PatchMerging=PatchMerging, LayerNorm=LayerNorm,
-                                                    Linear=Linear, Dropout=Dropout)  # fmt: skip
+# the building blocks of the constructors written in tfm_common.model_doors (SwinDoor, SwinBlockDoor, PatchMergingDoor)
+Swin._parts = SwinBlock._parts = PatchMerging._parts = SimpleNamespace(
+    check_dtype=check_dtype, as_rng=as_generator, ModuleList=nn.ModuleList, LayerNorm=LayerNorm, Linear=Linear,
+    Dropout=Dropout, PatchEmbedding=PatchEmbedding, SwinBlock=SwinBlock, PatchMerging=PatchMerging,
+    WindowAttention=WindowAttention, PositionwiseFeedForward=PositionwiseFeedForward,
+    shifted_window_mask=shifted_window_mask, keep_mask=functools.partial(nn.Module.register_buffer, persistent=False),
+)  # fmt: skip
