@@ -178,11 +178,12 @@ def transformer_options(owner: str, args: dict) -> tuple[dict, dict, dict]:
     return config, options, {k: options[k] for k in LAYER_PITFALLS if options[k] != LAYER_PITFALLS[k]}
 
 
-def own_init(cls: type) -> None:
+def own_init(cls: type, **kwdefaults) -> None:
     """Give `cls` its own copy of the constructor it inherits from a shared base, named `cls.__init__`: Python's own
-    refusal of a wrong argument ("... got an unexpected keyword argument") then names the class the caller built."""
+    refusal of a wrong argument ("... got an unexpected keyword argument") then names the class the caller built.
+    `kwdefaults` replace the defaults of keyword-only arguments (a track's own dtype: np.float32 in tfm_numpy)."""
     init = cls.__init__
     f = types.FunctionType(init.__code__, init.__globals__, init.__name__, init.__defaults__, init.__closure__)
-    f.__kwdefaults__, f.__annotations__ = init.__kwdefaults__, init.__annotations__
+    f.__kwdefaults__, f.__annotations__ = (init.__kwdefaults__ or {}) | kwdefaults, init.__annotations__
     f.__qualname__ = f"{cls.__name__}.__init__"
     cls.__init__ = f

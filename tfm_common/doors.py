@@ -8,13 +8,18 @@ here against its attention's scores, as MultiHeadAttention would have. The mixin
 track supplies its array checks as static methods: `_check_float` (its check_input), `_check_mask` (the masks'
 check) and, for the Transformer, `_check_ids` (its check_indices). Shapes are read through `.shape`, which arrays
 and tensors share.
+
+The layers' and stacks' constructors are written here once too: the track supplies its building blocks as `_parts`
+(`check_dtype`, `as_rng`, `make_attention`, `PositionwiseFeedForward`, `LayerNorm`, `Dropout`, `ModuleList`), and
+`own_init` gives each class its own copy with the track's default dtype.
 """
 
 from __future__ import annotations
 
 from .attention import cached_positions
+from .config import FF_ACTIVATIONS
 from .pitfalls import check_layer_pitfalls
-from .validate import check_decode_cache, check_flag
+from .validate import check_choice, check_decode_cache, check_flag, check_sizes
 
 __all__ = ["LayerDoor", "EncoderLayerDoor", "DecoderLayerDoor", "StackDoor", "TransformerDoor"]
 
@@ -27,6 +32,42 @@ class LayerDoor:
 
     def __new__(cls, *args, dropout_place: str = "sublayer", **kwargs):
         return super().__new__(cls._after_norm if dropout_place == "after_norm" and cls._after_norm else cls)
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        d_ff: int,
+        dropout: float = 0.1,
+        activation: str = "relu",
+        norm_first: bool = False,
+        *,
+        score_scale: str = "d_k",
+        head_projection: str = "full",
+        dropout_place: str = "sublayer",
+        ff_dropout: bool = True,
+        rng=None,
+        dtype=None,
+    ):
+        """self_attn (and the decoder's cross_attn), ff, and per sublayer one LayerNorm (norm1, ...) and one
+        residual Dropout (dropout1, ...), registered in that order."""
+        super().__init__()
+        check_sizes(self._owner, d_model=d_model, n_heads=n_heads, d_ff=d_ff)
+        check_choice(self._owner, "activation", activation, FF_ACTIVATIONS)
+        self._options(self._owner, norm_first, dropout_place, ff_dropout)
+        parts = self._parts
+        dt, rng = parts.check_dtype(dtype), parts.as_rng(rng)
+        attn = dict(score_scale=score_scale, rng=rng, dtype=dt)
+        self.self_attn = parts.make_attention(head_projection, d_model, n_heads, dropout, **attn)
+        if self._cross:  # the decoder's attention to the encoder's output
+            self.cross_attn = parts.make_attention(head_projection, d_model, n_heads, dropout, **attn)
+        ff_p = dropout if self.ff_dropout else 0.0  # ff_dropout=False (chapter 16a): none on the hidden units
+        self.ff = parts.PositionwiseFeedForward(d_model, d_ff, ff_p, activation, rng=rng, dtype=dt)
+        n_sublayers = 3 if self._cross else 2
+        for i in range(1, n_sublayers + 1):
+            setattr(self, f"norm{i}", parts.LayerNorm(d_model, dtype=dt))
+        for i in range(1, n_sublayers + 1):  # on sublayer i's output, before the residual sum
+            setattr(self, f"dropout{i}", parts.Dropout(dropout, rng=rng))
 
     def _options(self, owner: str, norm_first, dropout_place, ff_dropout) -> None:
         self.norm_first = check_flag(owner, "norm_first", norm_first)
@@ -73,6 +114,33 @@ class DecoderLayerDoor(LayerDoor):
 
 class StackDoor:
     """An Encoder or Decoder checks what its first layer checks; forward_step's caches, one per layer."""
+
+    def __init__(
+        self,
+        n_layers: int,
+        d_model: int,
+        n_heads: int,
+        d_ff: int,
+        dropout: float = 0.1,
+        activation: str = "relu",
+        norm_first: bool = False,
+        final_norm: bool | None = None,
+        *,
+        rng=None,
+        dtype=None,
+        **layer_options,
+    ):
+        """n_layers layers of `_layer` (`layers.0`, ...), then `norm` if final_norm (None: as norm_first)."""
+        super().__init__()
+        owner, make, parts = type(self).__name__, self._layer, self._parts
+        check_sizes(owner, n_layers=n_layers)
+        final_norm = check_flag(owner, "final_norm", norm_first if final_norm is None else final_norm)
+        dt, rng = parts.check_dtype(dtype), parts.as_rng(rng)
+        self.layers = parts.ModuleList(
+            make(d_model, n_heads, d_ff, dropout, activation, norm_first, rng=rng, dtype=dt, **layer_options)
+            for _ in range(n_layers)
+        )
+        self.norm = parts.LayerNorm(d_model, dtype=dt) if final_norm else None
 
     def _check_forward(self, *args, **kwargs) -> None:
         self.layers[0]._check_forward(*args, **kwargs)

@@ -1,11 +1,15 @@
 """The doors of the GPT, ViT and Swin modules, with their reprs and `attention_weights`, once for both tracks (as
 `tfm_common.doors` holds the 2017 model's): the track supplies `_check_float` (its check_input), `_check_ids` (its
 check_indices) and, for WindowAttention, the mask's `_mask_kind` = (array type, bool dtype, word). The attention
-weights are the last forward's (detached in tfm_torch)."""
+weights are the last forward's (detached in tfm_torch). The constructors of Swin, SwinBlock and PatchMerging are
+written here once too, from the track's building blocks `_parts` (as `tfm_common.doors`' layers are).
+"""
 
 from __future__ import annotations
 
+from .config import SWIN_ARGS, check_swin_config, check_window_grid, swin_shift
 from .sampling import check_generate, check_token_window
+from .validate import check_size
 
 __all__ = ["GPTBlockDoor", "GPTDoor", "PatchEmbeddingDoor", "ImageModelDoor", "ViTDoor", "SwinDoor",
            "WindowAttentionDoor", "SwinBlockDoor", "PatchMergingDoor"]  # fmt: skip
@@ -81,6 +85,41 @@ class ViTDoor(ImageModelDoor):
 
 
 class SwinDoor(ImageModelDoor):
+    def __init__(
+        self,
+        image_size: int,
+        patch_size: int,
+        in_channels: int,
+        n_classes: int,
+        d_model: int,
+        depths=(2, 2),
+        n_heads=(2, 4),
+        window_size: int = 4,
+        mlp_ratio: int = 2,
+        dropout: float = 0.0,
+        *,
+        rng=None,
+        dtype=None,
+    ):
+        super().__init__()
+        self.config = c = check_swin_config("Swin", {k: v for k, v in locals().items() if k in SWIN_ARGS})
+        parts = self._parts
+        dt, rng = parts.check_dtype(dtype), parts.as_rng(rng)
+        self.patch_embed = parts.PatchEmbedding(image_size, patch_size, in_channels, d_model, rng=rng, dtype=dt)
+        self.dropout = parts.Dropout(dropout, rng=rng)
+        self.stages, self.merges = parts.ModuleList(), parts.ModuleList()
+        grid, dim = image_size // patch_size, d_model
+        for i, (depth, heads) in enumerate(zip(c["depths"], c["n_heads"], strict=True)):
+            shifts = [swin_shift(j, window_size, grid) for j in range(depth)]  # 0, M/2, 0, M/2, ...
+            block = dict(resolution=(grid, grid), window_size=window_size, dropout=dropout, rng=rng, dtype=dt)
+            blocks = [parts.SwinBlock(dim, heads, mlp_ratio * dim, shift=shift, **block) for shift in shifts]
+            self.stages.append(parts.ModuleList(blocks))
+            if i < len(c["depths"]) - 1:
+                self.merges.append(parts.PatchMerging((grid, grid), dim, rng=rng, dtype=dt))
+                grid, dim = grid // 2, dim * 2
+        self.norm = parts.LayerNorm(dim, dtype=dt)
+        self.head = parts.Linear(dim, n_classes, rng=rng, dtype=dt)
+
     def attention_weights(self) -> list:
         """[(B nW, heads, M M, M M) per block] from the last forward."""
         return [block.attn.attn_weights for stage in self.stages for block in stage]
@@ -118,12 +157,41 @@ class GridDoor:
 class SwinBlockDoor(GridDoor):
     _owner, _norm = "SwinBlock", "norm1"
 
+    def __init__(self, d_model: int, n_heads: int, d_ff: int, resolution: tuple[int, int], window_size: int,
+                 shift: int = 0, dropout: float = 0.0, *, rng=None, dtype=None):  # fmt: skip
+        super().__init__()
+        H, W = resolution
+        check_window_grid("SwinBlock", H, W, window_size, shift)
+        check_size("SwinBlock", "d_ff", d_ff)
+        parts = self._parts
+        dt, rng = parts.check_dtype(dtype), parts.as_rng(rng)
+        self.d_model, self.resolution, self.window_size, self.shift = d_model, (H, W), window_size, shift
+        self.norm1 = parts.LayerNorm(d_model, dtype=dt)
+        self.attn = parts.WindowAttention(d_model, n_heads, window_size, dropout, rng=rng, dtype=dt)
+        self.norm2 = parts.LayerNorm(d_model, dtype=dt)
+        self.ff = parts.PositionwiseFeedForward(d_model, d_ff, dropout, "gelu", rng=rng, dtype=dt)
+        self.dropout1 = parts.Dropout(dropout, rng=rng)
+        self.dropout2 = parts.Dropout(dropout, rng=rng)
+        mask = parts.shifted_window_mask(H, W, window_size, shift) if shift else None  # (nW, M M, M M)
+        parts.keep_mask(self, "mask", mask)  # built once, at construction (tfm_torch: a buffer, not saved)
+
     def extra_repr(self) -> str:
         return f"resolution={self.resolution}, window_size={self.window_size}, shift={self.shift}"
 
 
 class PatchMergingDoor(GridDoor):
     _owner, _norm = "PatchMerging", "norm"
+
+    def __init__(self, resolution: tuple[int, int], d_model: int, *, rng=None, dtype=None):
+        super().__init__()
+        H, W = resolution
+        check_size("PatchMerging", "d_model", d_model)
+        if check_size("PatchMerging", "H", H) % 2 or check_size("PatchMerging", "W", W) % 2:
+            raise ValueError(f"PatchMerging: resolution must be even, got {resolution}")
+        dt = self._parts.check_dtype(dtype)
+        self.resolution, self.d_model = (H, W), d_model
+        self.norm = self._parts.LayerNorm(4 * d_model, dtype=dt)
+        self.reduction = self._parts.Linear(4 * d_model, 2 * d_model, bias=False, rng=self._parts.as_rng(rng), dtype=dt)
 
     def extra_repr(self) -> str:
         return f"resolution={self.resolution}, d_model={self.d_model}"

@@ -24,12 +24,13 @@ x = dropout(norm(x + sublayer(x))). The stacks pass their keyword `**layer_optio
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 
-from tfm_common.config import FF_ACTIVATIONS, own_init
+from tfm_common.config import own_init
 from tfm_common.doors import DecoderLayerDoor, EncoderLayerDoor, StackDoor
 from tfm_common.pitfalls import DROPOUT_PLACES
-from tfm_common.validate import check_choice, check_flag, check_sizes
 
 from .attention import make_attention
 from .layers import Dropout, LayerNorm
@@ -42,44 +43,14 @@ __all__ = ["DROPOUT_PLACES", "EncoderLayer", "DecoderLayer", "DropoutAfterNormEn
 
 
 class _Layer(Module):
-    """The construction an encoder and a decoder layer share: self_attn (and the decoder's cross_attn), ff, and per
-    sublayer one LayerNorm (norm1, ...) and one residual Dropout (dropout1, ...), registered in that order."""
+    """What an encoder and a decoder layer share: the door's checks and the building blocks of their constructor
+    (`tfm_common.doors.LayerDoor.__init__`: self_attn, the decoder's cross_attn, ff, norm1, ..., dropout1, ...)."""
 
     _check_float, _check_mask = staticmethod(check_input), staticmethod(check_mask)  # the door's checks
     _owner, _cross = "EncoderLayer", False
-
-    def __init__(
-        self,
-        d_model: int,
-        n_heads: int,
-        d_ff: int,
-        dropout: float = 0.1,
-        activation: str = "relu",
-        norm_first: bool = False,
-        *,
-        score_scale: str = "d_k",
-        head_projection: str = "full",
-        dropout_place: str = "sublayer",
-        ff_dropout: bool = True,
-        rng=None,
-        dtype=np.float32,
-    ):
-        super().__init__()
-        check_sizes(self._owner, d_model=d_model, n_heads=n_heads, d_ff=d_ff)
-        check_choice(self._owner, "activation", activation, FF_ACTIVATIONS)
-        self._options(self._owner, norm_first, dropout_place, ff_dropout)
-        dt, rng = check_dtype(dtype), as_rng(rng)
-        attn = dict(score_scale=score_scale, rng=rng, dtype=dt)
-        self.self_attn = make_attention(head_projection, d_model, n_heads, dropout, **attn)
-        if self._cross:  # the decoder's attention to the encoder's output
-            self.cross_attn = make_attention(head_projection, d_model, n_heads, dropout, **attn)
-        ff_p = dropout if self.ff_dropout else 0.0  # ff_dropout=False (chapter 16a): none on the hidden units
-        self.ff = PositionwiseFeedForward(d_model, d_ff, ff_p, activation, rng=rng, dtype=dt)
-        n_sublayers = 3 if self._cross else 2
-        for i in range(1, n_sublayers + 1):
-            setattr(self, f"norm{i}", LayerNorm(d_model, dtype=dt))
-        for i in range(1, n_sublayers + 1):  # on sublayer i's output, before the residual sum
-            setattr(self, f"dropout{i}", Dropout(dropout, rng=rng))
+    _parts = SimpleNamespace(check_dtype=check_dtype, as_rng=as_rng, make_attention=make_attention,
+                             Dropout=Dropout, LayerNorm=LayerNorm, PositionwiseFeedForward=PositionwiseFeedForward,
+                             ModuleList=ModuleList)  # fmt: skip
 
     # -- the self-attention sublayer, the same in both layers, with its backward ---------------------------------
     def _sa_block(self, x: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
@@ -270,33 +241,10 @@ EncoderLayer._after_norm, DecoderLayer._after_norm = DropoutAfterNormEncoderLaye
 
 
 class _Stack(StackDoor, Module):
-    """n_layers layers of `_layer` (`layers.0`, ...), then `norm` if final_norm (None: as norm_first)."""
+    """n_layers layers of `_layer` (`layers.0`, ...), then `norm` if final_norm (None: as norm_first), built by
+    `tfm_common.doors.StackDoor.__init__`."""
 
-    def __init__(
-        self,
-        n_layers: int,
-        d_model: int,
-        n_heads: int,
-        d_ff: int,
-        dropout: float = 0.1,
-        activation: str = "relu",
-        norm_first: bool = False,
-        final_norm: bool | None = None,
-        *,
-        rng=None,
-        dtype=np.float32,
-        **layer_options,
-    ):
-        super().__init__()
-        owner, make = type(self).__name__, self._layer
-        check_sizes(owner, n_layers=n_layers)
-        final_norm = check_flag(owner, "final_norm", norm_first if final_norm is None else final_norm)
-        dt, rng = check_dtype(dtype), as_rng(rng)
-        self.layers = ModuleList(
-            make(d_model, n_heads, d_ff, dropout, activation, norm_first, rng=rng, dtype=dt, **layer_options)
-            for _ in range(n_layers)
-        )
-        self.norm = LayerNorm(d_model, dtype=dt) if final_norm else None
+    _parts = _Layer._parts
 
     _cacheless_backwards = ("backward",)  # the layers keep the caches
 
@@ -375,5 +323,6 @@ class Decoder(_Stack):
         return [(layer.self_attn if kind == "self" else layer.cross_attn).attn_weights for layer in self.layers]
 
 
+# a wrong argument is refused in the name of the class built, not of its door; the dtype is float32 by default
 for _cls in (EncoderLayer, DecoderLayer, Encoder, Decoder):
-    own_init(_cls)  # a wrong argument is refused in the name of the class built, not of _Layer / _Stack
+    own_init(_cls, dtype=np.float32)

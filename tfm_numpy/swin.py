@@ -15,10 +15,11 @@ All three only move entries, so each one's backward is its inverse applied to th
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 
-from tfm_common.config import SWIN_ARGS, check_swin_config, check_window_grid, swin_shift
+from tfm_common.config import check_window_grid, own_init
 from tfm_common.model_doors import PatchMergingDoor, SwinBlockDoor, SwinDoor, WindowAttentionDoor
 from tfm_common.validate import check_size
 
@@ -182,22 +183,6 @@ class SwinBlock(SwinBlockDoor, Module):
 
     _check_float = staticmethod(check_input)  # see tfm_common.model_doors
 
-    def __init__(self, d_model: int, n_heads: int, d_ff: int, resolution: tuple[int, int], window_size: int,
-                 shift: int = 0, dropout: float = 0.0, *, rng=None, dtype=np.float32):  # fmt: skip
-        super().__init__()
-        H, W = resolution
-        check_window_grid("SwinBlock", H, W, window_size, shift)
-        check_size("SwinBlock", "d_ff", d_ff)
-        dt, rng = check_dtype(dtype), as_rng(rng)
-        self.d_model, self.resolution, self.window_size, self.shift = d_model, (H, W), window_size, shift
-        self.norm1 = LayerNorm(d_model, dtype=dt)
-        self.attn = WindowAttention(d_model, n_heads, window_size, dropout, rng=rng, dtype=dt)
-        self.norm2 = LayerNorm(d_model, dtype=dt)
-        self.ff = PositionwiseFeedForward(d_model, d_ff, dropout, "gelu", rng=rng, dtype=dt)
-        self.dropout1 = Dropout(dropout, rng=rng)
-        self.dropout2 = Dropout(dropout, rng=rng)
-        self.mask = shifted_window_mask(H, W, window_size, shift) if shift else None  # (nW, M M, M M)
-
     def forward(self, x: np.ndarray) -> np.ndarray:
         self._cache = x.shape  # a forward to differentiate
         x = x + self.dropout1(self._attend(self.norm1(x)))
@@ -230,17 +215,6 @@ class PatchMerging(PatchMergingDoor, Module):
 
     _check_float = staticmethod(check_input)  # see tfm_common.model_doors
 
-    def __init__(self, resolution: tuple[int, int], d_model: int, *, rng=None, dtype=np.float32):
-        super().__init__()
-        H, W = resolution
-        check_size("PatchMerging", "d_model", d_model)
-        if check_size("PatchMerging", "H", H) % 2 or check_size("PatchMerging", "W", W) % 2:
-            raise ValueError(f"PatchMerging: resolution must be even, got {resolution}")
-        dt = check_dtype(dtype)
-        self.resolution, self.d_model = (H, W), d_model
-        self.norm = LayerNorm(4 * d_model, dtype=dt)
-        self.reduction = Linear(4 * d_model, 2 * d_model, bias=False, rng=as_rng(rng), dtype=dt)
-
     def forward(self, x: np.ndarray) -> np.ndarray:
         (H, W), d, B = self.resolution, self.d_model, x.shape[0]
         self._cache = x.shape
@@ -264,40 +238,6 @@ class Swin(SwinDoor, Module):
     `model(images)` -> logits (B, n_classes); `backward(dlogits)` fills the gradients and returns dL/dimages.
     """
 
-    def __init__(
-        self,
-        image_size: int,
-        patch_size: int,
-        in_channels: int,
-        n_classes: int,
-        d_model: int,
-        depths=(2, 2),
-        n_heads=(2, 4),
-        window_size: int = 4,
-        mlp_ratio: int = 2,
-        dropout: float = 0.0,
-        *,
-        rng=None,
-        dtype=np.float32,
-    ):
-        super().__init__()
-        self.config = c = check_swin_config("Swin", {k: v for k, v in locals().items() if k in SWIN_ARGS})
-        dt, rng = check_dtype(dtype), as_rng(rng)
-        self.patch_embed = PatchEmbedding(image_size, patch_size, in_channels, d_model, rng=rng, dtype=dt)
-        self.dropout = Dropout(dropout, rng=rng)
-        self.stages, self.merges = ModuleList(), ModuleList()
-        grid, dim = image_size // patch_size, d_model
-        for i, (depth, heads) in enumerate(zip(c["depths"], c["n_heads"], strict=True)):
-            shifts = [swin_shift(j, window_size, grid) for j in range(depth)]  # 0, M/2, 0, M/2, ...
-            block = dict(resolution=(grid, grid), window_size=window_size, dropout=dropout, rng=rng, dtype=dt)
-            blocks = [SwinBlock(dim, heads, mlp_ratio * dim, shift=shift, **block) for shift in shifts]
-            self.stages.append(ModuleList(blocks))
-            if i < len(c["depths"]) - 1:
-                self.merges.append(PatchMerging((grid, grid), dim, rng=rng, dtype=dt))
-                grid, dim = grid // 2, dim * 2
-        self.norm = LayerNorm(dim, dtype=dt)
-        self.head = Linear(dim, n_classes, rng=rng, dtype=dt)
-
     def _blocks(self):
         """Every module of the body in forward order."""
         for i, stage in enumerate(self.stages):
@@ -320,3 +260,14 @@ class Swin(SwinDoor, Module):
         for block in reversed(list(self._blocks())):
             dx = block.backward(dx)
         return self.patch_embed.backward(self.dropout.backward(dx))  # (B, C, H, W)
+
+
+# the building blocks of the constructors written in tfm_common.model_doors (SwinDoor, SwinBlockDoor, PatchMergingDoor)
+Swin._parts = SwinBlock._parts = PatchMerging._parts = SimpleNamespace(
+    check_dtype=check_dtype, as_rng=as_rng, ModuleList=ModuleList, LayerNorm=LayerNorm, Linear=Linear, Dropout=Dropout,
+    PatchEmbedding=PatchEmbedding, SwinBlock=SwinBlock, PatchMerging=PatchMerging, WindowAttention=WindowAttention,
+    PositionwiseFeedForward=PositionwiseFeedForward, shifted_window_mask=shifted_window_mask,
+    keep_mask=setattr,
+)  # fmt: skip
+for _cls in (Swin, SwinBlock, PatchMerging):
+    own_init(_cls, dtype=np.float32)  # tfm_numpy's default dtype

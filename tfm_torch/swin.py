@@ -3,12 +3,14 @@ tfm_numpy.swin; autograd does the backward. Masks are boolean, True = may attend
 
 from __future__ import annotations
 
+import functools
 import math
+from types import SimpleNamespace
 
 import torch
 from torch import nn
 
-from tfm_common.config import SWIN_ARGS, check_swin_config, check_window_grid, swin_shift
+from tfm_common.config import check_window_grid
 from tfm_common.model_doors import PatchMergingDoor, SwinBlockDoor, SwinDoor, WindowAttentionDoor
 from tfm_common.validate import check_size
 
@@ -123,23 +125,6 @@ class SwinBlock(SwinBlockDoor, Module):
 
     _check_float = staticmethod(check_input)  # see tfm_common.model_doors
 
-    def __init__(self, d_model: int, n_heads: int, d_ff: int, resolution: tuple[int, int], window_size: int,
-                 shift: int = 0, dropout: float = 0.0, *, rng=None, dtype=None):  # fmt: skip
-        super().__init__()
-        H, W = resolution
-        check_window_grid("SwinBlock", H, W, window_size, shift)
-        check_size("SwinBlock", "d_ff", d_ff)
-        dt, rng = check_dtype(dtype), as_generator(rng)
-        self.d_model, self.resolution, self.window_size, self.shift = d_model, (H, W), window_size, shift
-        self.norm1 = LayerNorm(d_model, dtype=dt)
-        self.attn = WindowAttention(d_model, n_heads, window_size, dropout, rng=rng, dtype=dt)
-        self.norm2 = LayerNorm(d_model, dtype=dt)
-        self.ff = PositionwiseFeedForward(d_model, d_ff, dropout, "gelu", rng=rng, dtype=dt)
-        self.dropout1 = Dropout(dropout, rng=rng)
-        self.dropout2 = Dropout(dropout, rng=rng)
-        mask = shifted_window_mask(H, W, window_size, shift) if shift else None
-        self.register_buffer("mask", mask, persistent=False)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.dropout1(self._attend(self.norm1(x)))
         return x + self.dropout2(self.ff(self.norm2(x)))
@@ -156,17 +141,6 @@ class PatchMerging(PatchMergingDoor, Module):
 
     _check_float = staticmethod(check_input)  # see tfm_common.model_doors
 
-    def __init__(self, resolution: tuple[int, int], d_model: int, *, rng=None, dtype=None):
-        super().__init__()
-        H, W = resolution
-        check_size("PatchMerging", "d_model", d_model)
-        if check_size("PatchMerging", "H", H) % 2 or check_size("PatchMerging", "W", W) % 2:
-            raise ValueError(f"PatchMerging: resolution must be even, got {resolution}")
-        dt = check_dtype(dtype)
-        self.resolution, self.d_model = (H, W), d_model
-        self.norm = LayerNorm(4 * d_model, dtype=dt)
-        self.reduction = Linear(4 * d_model, 2 * d_model, bias=False, rng=as_generator(rng), dtype=dt)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         (H, W), d, B = self.resolution, self.d_model, x.shape[0]
         groups = x.reshape(B, H // 2, 2, W // 2, 2, d).permute(0, 1, 3, 4, 2, 5).reshape(B, H * W // 4, 4 * d)
@@ -176,40 +150,6 @@ class PatchMerging(PatchMergingDoor, Module):
 class Swin(SwinDoor, Module):
     """A small Swin classifier, the twin of tfm_numpy.Swin (same arguments, same keys)."""
 
-    def __init__(
-        self,
-        image_size: int,
-        patch_size: int,
-        in_channels: int,
-        n_classes: int,
-        d_model: int,
-        depths=(2, 2),
-        n_heads=(2, 4),
-        window_size: int = 4,
-        mlp_ratio: int = 2,
-        dropout: float = 0.0,
-        *,
-        rng=None,
-        dtype=None,
-    ):
-        super().__init__()
-        self.config = c = check_swin_config("Swin", {k: v for k, v in locals().items() if k in SWIN_ARGS})
-        dt, rng = check_dtype(dtype), as_generator(rng)
-        self.patch_embed = PatchEmbedding(image_size, patch_size, in_channels, d_model, rng=rng, dtype=dt)
-        self.dropout = Dropout(dropout, rng=rng)
-        self.stages, self.merges = nn.ModuleList(), nn.ModuleList()
-        grid, dim = image_size // patch_size, d_model
-        for i, (depth, heads) in enumerate(zip(c["depths"], c["n_heads"], strict=True)):
-            shifts = [swin_shift(j, window_size, grid) for j in range(depth)]  # 0, M/2, 0, M/2, ...
-            block = dict(resolution=(grid, grid), window_size=window_size, dropout=dropout, rng=rng, dtype=dt)
-            blocks = [SwinBlock(dim, heads, mlp_ratio * dim, shift=shift, **block) for shift in shifts]
-            self.stages.append(nn.ModuleList(blocks))
-            if i < len(c["depths"]) - 1:
-                self.merges.append(PatchMerging((grid, grid), dim, rng=rng, dtype=dt))
-                grid, dim = grid // 2, dim * 2
-        self.norm = LayerNorm(dim, dtype=dt)
-        self.head = Linear(dim, n_classes, rng=rng, dtype=dt)
-
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         x = self.dropout(self.patch_embed(images))
         for i, stage in enumerate(self.stages):
@@ -218,3 +158,12 @@ class Swin(SwinDoor, Module):
             if i < len(self.merges):
                 x = self.merges[i](x)
         return self.head(self.norm(x).mean(dim=1))
+
+
+# the building blocks of the constructors written in tfm_common.model_doors (SwinDoor, SwinBlockDoor, PatchMergingDoor)
+Swin._parts = SwinBlock._parts = PatchMerging._parts = SimpleNamespace(
+    check_dtype=check_dtype, as_rng=as_generator, ModuleList=nn.ModuleList, LayerNorm=LayerNorm, Linear=Linear,
+    Dropout=Dropout, PatchEmbedding=PatchEmbedding, SwinBlock=SwinBlock, PatchMerging=PatchMerging,
+    WindowAttention=WindowAttention, PositionwiseFeedForward=PositionwiseFeedForward,
+    shifted_window_mask=shifted_window_mask, keep_mask=functools.partial(nn.Module.register_buffer, persistent=False),
+)  # fmt: skip
