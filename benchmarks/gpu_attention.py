@@ -192,11 +192,11 @@ def use_sdpa(model: torch.nn.Module) -> None:
             m.forward = forward
 
 
-def make_step(device: str, batch: int, length: int, attention: str):
+def make_step(device: str, batch: int, length: int, attn_impl: str):
     c = BASE
     model = tpt.Transformer(c["vocab"], c["vocab"], c["d_model"], c["n_heads"], c["d_ff"], c["n_layers"],
                             dropout=0.0, max_len=length + 1, rng=0).to(device)  # fmt: skip
-    if attention == "sdpa":
+    if attn_impl == "sdpa":
         use_sdpa(model)
     g = np.random.default_rng(1)
     src = torch.from_numpy(g.integers(3, c["vocab"], (batch, length))).to(device)
@@ -219,14 +219,14 @@ def train_flops(batch: int, length: int) -> int:
 
 def bench_training(device: str, cases: list[tuple], repeats: int) -> list[dict]:
     rows = []
-    for dev, batch, length, attention, tf32 in cases:
+    for dev, batch, length, attn_impl, tf32 in cases:
         if dev.startswith("cuda"):
             torch.backends.cuda.matmul.allow_tf32 = tf32
             torch.backends.cudnn.allow_tf32 = tf32
         row = {"device": dev, "config": "base", "batch": batch, "length": length, "dtype": "float32",
-               "tf32_matmul": tf32, "attention": attention, "flops": train_flops(batch, length)}  # fmt: skip
+               "tf32_matmul": tf32, "attn_impl": attn_impl, "flops": train_flops(batch, length)}  # fmt: skip
         try:
-            step = make_step(dev, batch, length, attention)
+            step = make_step(dev, batch, length, attn_impl)
             row["step"] = time_ms(step, dev, repeats if dev.startswith("cuda") else max(3, repeats // 3))
             row["gflops"] = row["flops"] / (row["step"]["median_ms"] * 1e6)
             row["peak_memory_mb"] = peak_memory_mb(step, dev)
@@ -240,7 +240,7 @@ def bench_training(device: str, cases: list[tuple], repeats: int) -> list[dict]:
         ms = row.get("step", {}).get("median_ms")
         note = f"{ms:9.2f} ms  {row['gflops']:8.0f} GFLOP/s" if ms is not None else row["error"]
         print(
-            f"  train step {dev:5s} batch {batch:3d} x {length:4d} tf32={tf32!s:5s} {attention:8s} {note}", flush=True
+            f"  train step {dev:5s} batch {batch:3d} x {length:4d} tf32={tf32!s:5s} {attn_impl:8s} {note}", flush=True
         )
     if device.startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
@@ -287,9 +287,9 @@ def main(argv=None) -> None:
     cases = []
     if dev.startswith("cuda"):
         for batch, length in (small, large):
-            for attention in ("explicit", "sdpa"):
+            for attn_impl in ("explicit", "sdpa"):
                 for tf32 in (False, True):
-                    cases.append((dev, batch, length, attention, tf32))
+                    cases.append((dev, batch, length, attn_impl, tf32))
     cases.append(("cpu", *small, "explicit", False))
     cases.append(("cpu", *small, "sdpa", False))
     res["train_step"] = bench_training(dev, cases, repeats)

@@ -12,7 +12,7 @@ It measures, and stores in one JSON file (read by chapter 15):
      d_ff 2048, 6 + 6 layers, dropout 0, shared vocabulary of 8000) on one batch of B x T source and target
      tokens (96 x 256: 24,576 + 24,576 tokens, the paper's ~25,000 + 25,000), for
        ours    tfm_torch.Transformer, float32 with our explicit attention; then under bfloat16 autocast with
-               explicit attention, with attention="sdpa" (torch's fused kernels), and with attention="sdpa"
+               explicit attention, with attn_impl="sdpa" (torch's fused kernels), and with attn_impl="sdpa"
                after torch.compile;
        torch.nn  tpt.to_torch_nn_transformer of the same model (the same weights, embeddings and output layer,
                torch.nn.Transformer in between): float32, bfloat16 autocast, and bfloat16 autocast compiled;
@@ -107,7 +107,7 @@ def make_step(model, src, tgt, device: str, autocast: bool, compiled: str | None
     return step
 
 
-KEYS = ("model", "precision", "attention", "compiled", "vocab", "batch", "dropout", "adam")
+KEYS = ("model", "precision", "attn_impl", "compiled", "vocab", "batch", "dropout", "adam")
 CASES = [  # KEYS, with the batch as a multiple of the base batch; dropout 0 and foreach Adam unless given
     ("ours", "float32", "explicit", None, 8000, 1),
     ("ours", "bf16 autocast", "explicit", None, 8000, 1),
@@ -165,7 +165,7 @@ def case_row(case: tuple, batch: int) -> dict:
 
 def run_case(case, c, batch, length, device, repeats, peak) -> dict:
     row = case_row(case, batch)
-    who, attention, vocab, batch = row["model"], row["attention"], row["vocab"], row["batch"]
+    who, attn_impl, vocab, batch = row["model"], row["attn_impl"], row["vocab"], row["batch"]
     row.update(length=length, flops=train_flops(c, vocab, batch, length))
     step = None
     if device.startswith("cuda"):
@@ -174,7 +174,7 @@ def run_case(case, c, batch, length, device, repeats, peak) -> dict:
         ours, ref = make_models(c, vocab, length, device, row["dropout"])
         model = ours if who == "ours" else ref
         if who == "ours":
-            tpt.use_attention(model, attention)
+            tpt.use_attention(model, attn_impl)
         g = np.random.default_rng(1)
         src = torch.from_numpy(g.integers(3, vocab, (batch, length))).to(device)
         tgt = torch.from_numpy(g.integers(3, vocab, (batch, length + 1))).to(device)
@@ -202,7 +202,7 @@ def run_case(case, c, batch, length, device, repeats, peak) -> dict:
 
 def describe(row: dict) -> str:
     extra = "".join(f" {k}={row[k]}" for k, v in (("dropout", 0.0), ("adam", "foreach")) if row.get(k, v) != v)
-    head = f"  {row['model']:8s} {row['precision']:13s} {row['attention']:8s} {row['compiled']!s:24s} " \
+    head = f"  {row['model']:8s} {row['precision']:13s} {row['attn_impl']:8s} {row['compiled']!s:24s} " \
            f"V={row['vocab']:5d} B={row['batch']:3d}{extra}"  # fmt: skip
     if "step" not in row:
         return f"{head}  {row.get('error', 'skipped')}"

@@ -2,6 +2,7 @@
 1e-12), central differences, torch.autograd.gradcheck, F.scaled_dot_product_attention, tile skipping, bad input."""
 
 import contextlib
+import json
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ import tfm_numpy as tn
 import tfm_numpy.attention as tn_attention
 import tfm_torch as tt
 import tfm_torch.attention as tt_attention
+from tfm_common.npz_checkpoint import META_KEY
 
 EXACT = 1e-12  # float64: tiled vs explicit, same arithmetic in another order
 B, H, T, S, D = 2, 3, 11, 7, 4
@@ -202,15 +204,15 @@ def test_bad_input_is_a_clear_error(track):
         lib.flash_attention(q, k[..., :2], v)
 
 
-# -- the model option: MultiHeadAttention(attention="flash") and Transformer(attention="flash") ---------------
+# -- the model option: MultiHeadAttention(attn_impl="flash") and Transformer(attn_impl="flash") ---------------
 
 
-def tiny_model(track, attention, seed=0, norm_first=False):
+def tiny_model(track, attn_impl, seed=0, norm_first=False):
     kw = dict(d_model=16, n_heads=2, d_ff=24, n_layers=2, dropout=0.0, max_len=16, norm_first=norm_first)
-    m = tn.Transformer(13, 11, **kw, attention=attention, tile_size=3, rng=seed, dtype=np.float64)
+    m = tn.Transformer(13, 11, **kw, attn_impl=attn_impl, tile_size=3, rng=seed, dtype=np.float64)
     if track == "numpy":
         return m
-    twin = tt.Transformer(13, 11, **kw, attention=attention, tile_size=3, rng=seed, dtype=torch.float64)
+    twin = tt.Transformer(13, 11, **kw, attn_impl=attn_impl, tile_size=3, rng=seed, dtype=torch.float64)
     twin.load_state_dict({k: torch.from_numpy(v) for k, v in m.state_dict().items()})
     return twin
 
@@ -240,8 +242,8 @@ def counting_tiled_calls():
         tn_attention.flash_attention, tt_attention.flash_attention = saved
 
 
-def model_grads(track, attention, norm_first):
-    m = tiny_model(track, attention, norm_first=norm_first)
+def model_grads(track, attn_impl, norm_first):
+    m = tiny_model(track, attn_impl, norm_first=norm_first)
     dlogits = np.random.default_rng(9).standard_normal((2, 8, 11))
     with counting_tiled_calls() as calls:
         if track == "numpy":
@@ -253,7 +255,7 @@ def model_grads(track, attention, norm_first):
             logits = m(torch.from_numpy(SRC_TOKENS), torch.from_numpy(TGT_TOKENS))
             logits.backward(torch.from_numpy(dlogits))
             logits, grads = to_numpy(logits), {k: to_numpy(p.grad) for k, p in m.named_parameters()}
-    assert (len(calls) > 0) == (attention == "flash"), f"{len(calls)} tiled calls with attention={attention!r}"
+    assert (len(calls) > 0) == (attn_impl == "flash"), f"{len(calls)} tiled calls with attn_impl={attn_impl!r}"
     return logits, grads
 
 
@@ -277,7 +279,7 @@ def test_flash_model_tracks_agree_and_the_option_is_switchable():
     m = tiny_model("numpy", "explicit")
     assert tn.use_attention(m, "flash", 5) is m
     mhas = [mod for _, mod in m.named_modules() if isinstance(mod, tn.MultiHeadAttention)]
-    assert len(mhas) == 6 and all(a.attention == "flash" and a.tile_size == 5 for a in mhas)
+    assert len(mhas) == 6 and all(a.attn_impl == "flash" and a.tile_size == 5 for a in mhas)
     m(SRC_TOKENS, TGT_TOKENS)
     assert all(a.attn_weights is None for a in mhas)  # no weights formed
 
@@ -285,15 +287,40 @@ def test_flash_model_tracks_agree_and_the_option_is_switchable():
 @pytest.mark.parametrize("track", ["numpy", "torch"])
 def test_flash_refuses_attention_dropout_in_training_and_bad_options(track):
     lib, A = (tn, np.asarray) if track == "numpy" else (tt, torch.from_numpy)
-    mha = lib.MultiHeadAttention(8, 2, dropout=0.1, attention="flash", rng=0)
+    mha = lib.MultiHeadAttention(8, 2, dropout=0.1, attn_impl="flash", rng=0)
     x = A(np.zeros((1, 3, 8), dtype=np.float32))
-    with pytest.raises(ValueError, match=r"attention='flash' has no dropout on the attention weights"):
+    with pytest.raises(ValueError, match=r"attn_impl='flash' has no dropout on the attention weights"):
         mha(x, x, x)
     mha.eval()
     assert tuple(mha(x, x, x).shape) == (1, 3, 8)  # eval: dropout off, fine
-    with pytest.raises(ValueError, match=r"MultiHeadAttention: attention must be one of \('explicit', 'flash'[,)]"):
-        lib.MultiHeadAttention(8, 2, attention="tiled")
+    with pytest.raises(ValueError, match=r"MultiHeadAttention: attn_impl must be one of \('explicit', 'flash'[,)]"):
+        lib.MultiHeadAttention(8, 2, attn_impl="tiled")
     with pytest.raises(ValueError, match=r"Transformer: tile_size must be an int >= 1, got 0"):
         lib.Transformer(5, 5, d_model=8, n_heads=2, d_ff=8, n_layers=1, tile_size=0)
-    with pytest.raises(ValueError, match=r"use_attention: attention must be one of"):
+    with pytest.raises(ValueError, match=r"use_attention: attn_impl must be one of"):
         lib.use_attention(mha, "fast")
+
+
+def test_a_checkpoint_does_not_record_attn_impl(tmp_path):
+    """attn_impl is how the heads are computed, not what the model is: `config` leaves it out, so a checkpoint of a
+    flash model rebuilds (load_model) as an explicit one with the same weights and logits, and no file has ever
+    carried the option under either name. A configuration edited by hand to hold the old keyword `attention` is
+    refused by name, not silently dropped."""
+    m = tiny_model("numpy", "flash")
+    assert "attn_impl" not in m.config and "attention" not in m.config
+    path = tn.save_checkpoint(tmp_path / "flash.npz", m)
+    ref = m(SRC_TOKENS, TGT_TOKENS)
+    for lib, as_input in ((tn, np.asarray), (tt, torch.from_numpy)):
+        back = lib.load_model(path).eval()
+        assert back.config == m.config
+        assert {a.attn_impl for _, a in back.named_modules() if isinstance(a, lib.MultiHeadAttention)} == {"explicit"}
+        assert max_abs_diff(to_numpy(back(as_input(SRC_TOKENS), as_input(TGT_TOKENS))), ref) < EXACT
+    with np.load(path, allow_pickle=False) as z:
+        arrays = {k: z[k] for k in z.files}
+    meta = json.loads(str(arrays[META_KEY][()]))
+    meta["model"]["config"]["attention"] = "flash"
+    arrays[META_KEY] = np.array(json.dumps(meta))
+    np.savez(path, **arrays)
+    for lib in (tn, tt):
+        with pytest.raises(ValueError, match=r"cannot build Transformer .* unexpected keyword argument 'attention'"):
+            lib.load_model(path)

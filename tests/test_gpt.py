@@ -448,7 +448,7 @@ def test_gpt_from_torch_nn_layers_refuses_what_they_cannot_build(option):
         tt.to_torch_nn_gpt(model)
 
 
-# -- the attention option: explicit, tiled ("flash", both tracks), torch's fused kernels ("sdpa", torch only) ------
+# -- the attn_impl option: explicit, tiled ("flash", both tracks), torch's fused kernels ("sdpa", torch only) ------
 
 ATTN_CASES = [("layernorm", "learned", "gelu", None), ("rmsnorm", "rope", "swiglu", 2), ("rmsnorm", "rope", "gelu", 1)]
 ATTN_IDS = ["2017", "llama-kv2", "mqa"]
@@ -482,8 +482,8 @@ def test_flash_and_sdpa_equal_explicit_attention_float64(norm, positional, activ
     tn.use_attention(model, "flash", tile_size=2)  # tiles smaller than the 5 positions: several per row
     assert_same(grads_of(model, tn), explicit)
     assert all(m.attn_weights is None for _, m in model.named_modules() if isinstance(m, tn.GroupedQueryAttention))
-    for attention in ("flash", "sdpa"):
-        t = tt.use_attention(twin(model), attention, tile_size=2)
+    for attn_impl in ("flash", "sdpa"):
+        t = tt.use_attention(twin(model), attn_impl, tile_size=2)
         assert_same(grads_of(t, tt), explicit)  # the NumPy explicit model: twin agreement and option agreement
         # the option's path ran: the explicit one keeps its weights (the twin's explicit run above: not None)
         assert all(m.attn_weights is None for _, m in t.named_modules() if isinstance(m, tt.GroupedQueryAttention))
@@ -498,46 +498,46 @@ def test_whole_model_gradient_check_with_tiled_attention():
     assert max(errors.values()) < GRAD_TOL, {k: v for k, v in errors.items() if v >= GRAD_TOL}
 
 
-@pytest.mark.parametrize("attention", ["flash", "sdpa"])
+@pytest.mark.parametrize("attn_impl", ["flash", "sdpa"])
 @pytest.mark.parametrize("n_kv_heads", [None, 2])
-def test_the_attention_options_generate_the_same_tokens_with_the_cache(attention, n_kv_heads):
+def test_the_attn_impl_options_generate_the_same_tokens_with_the_cache(attn_impl, n_kv_heads):
     model = np_gpt("rmsnorm", "rope", "swiglu", n_kv_heads).eval()
     ref = twin(model).generate(T(TOKENS[:, :3]), 5, temperature=0.0)  # explicit attention
-    fast = tt.use_attention(twin(model), attention).generate(T(TOKENS[:, :3]), 5, temperature=0.0)
+    fast = tt.use_attention(twin(model), attn_impl).generate(T(TOKENS[:, :3]), 5, temperature=0.0)
     assert torch.equal(fast, ref)
-    if attention == "flash":
+    if attn_impl == "flash":
         out = tn.use_attention(model, "flash").generate(TOKENS[:, :3], 5, temperature=0.0)
         np.testing.assert_array_equal(out, ref.numpy())
 
 
-def test_attention_options_refused_as_for_multi_head_attention():
-    with pytest.raises(ValueError, match=r"GroupedQueryAttention: attention='sdpa' .* exists in tfm_torch only"):
-        tn.GroupedQueryAttention(8, 4, 2, attention="sdpa")
-    with pytest.raises(ValueError, match=r"use_attention: attention='sdpa' .* exists in tfm_torch only"):
+def test_attn_impl_options_refused_as_for_multi_head_attention():
+    with pytest.raises(ValueError, match=r"GroupedQueryAttention: attn_impl='sdpa' .* exists in tfm_torch only"):
+        tn.GroupedQueryAttention(8, 4, 2, attn_impl="sdpa")
+    with pytest.raises(ValueError, match=r"use_attention: attn_impl='sdpa' .* exists in tfm_torch only"):
         tn.use_attention(np_gpt(), "sdpa")
     for lib in (tn, tt):
-        with pytest.raises(ValueError, match=r"GroupedQueryAttention: attention must be one of"):
-            lib.GroupedQueryAttention(8, 4, attention="tiled")
+        with pytest.raises(ValueError, match=r"GroupedQueryAttention: attn_impl must be one of"):
+            lib.GroupedQueryAttention(8, 4, attn_impl="tiled")
         model = lib.use_attention(lib.GPT(**TINY, dropout=0.1, rng=0), "flash").train()
-        with pytest.raises(ValueError, match=r"attention='flash' has no dropout on the attention weights"):
+        with pytest.raises(ValueError, match=r"attn_impl='flash' has no dropout on the attention weights"):
             model(INPUTS if lib is tn else T(INPUTS))
-        assert "attention='flash', tile_size=64" in repr(model.layers[0].self_attn)
+        assert "attn_impl='flash', tile_size=64" in repr(model.layers[0].self_attn)
 
 
 @pytest.mark.parametrize("lib", [tn, tt], ids=["numpy", "torch"])
-def test_the_attention_option_at_construction_is_use_attention(lib):
-    attention = "flash" if lib is tn else "sdpa"
-    built = lib.GPT(**TINY, n_kv_heads=2, attention=attention, tile_size=4, rng=0)
-    switched = lib.use_attention(lib.GPT(**TINY, n_kv_heads=2, rng=0), attention, tile_size=4)
-    modes = {(m.attention, m.tile_size) for m in (layer.self_attn for layer in built.layers)}
-    assert modes == {(attention, 4)} and list(built.state_dict()) == list(switched.state_dict())
-    assert "attention" not in built.config  # how the heads are computed, not what the model is
+def test_the_attn_impl_option_at_construction_is_use_attention(lib):
+    attn_impl = "flash" if lib is tn else "sdpa"
+    built = lib.GPT(**TINY, n_kv_heads=2, attn_impl=attn_impl, tile_size=4, rng=0)
+    switched = lib.use_attention(lib.GPT(**TINY, n_kv_heads=2, rng=0), attn_impl, tile_size=4)
+    modes = {(m.attn_impl, m.tile_size) for m in (layer.self_attn for layer in built.layers)}
+    assert modes == {(attn_impl, 4)} and list(built.state_dict()) == list(switched.state_dict())
+    assert "attn_impl" not in built.config  # how the heads are computed, not what the model is
     x = INPUTS if lib is tn else T(INPUTS)
     np.testing.assert_array_equal(np.asarray(built(x).tolist()), np.asarray(switched(x).tolist()))
-    with pytest.raises(ValueError, match=r"GPT: attention must be one of"):
-        lib.GPT(**TINY, attention="tiled")
+    with pytest.raises(ValueError, match=r"GPT: attn_impl must be one of"):
+        lib.GPT(**TINY, attn_impl="tiled")
 
 
 def test_numpy_gpt_refuses_sdpa_by_name():
-    with pytest.raises(ValueError, match=r"GPT: attention='sdpa' \(torch.nn.functional.scaled_dot_product_attention\)"):
-        tn.GPT(**TINY, attention="sdpa")
+    with pytest.raises(ValueError, match=r"GPT: attn_impl='sdpa' \(torch.nn.functional.scaled_dot_product_attention\)"):
+        tn.GPT(**TINY, attn_impl="sdpa")

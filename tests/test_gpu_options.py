@@ -1,4 +1,4 @@
-"""The torch track's GPU options, checked on the CPU: attention="sdpa" (torch's fused attention) equals the explicit
+"""The torch track's GPU options, checked on the CPU: attn_impl="sdpa" (torch's fused attention) equals the explicit
 attention in float64, outputs and every gradient, masks and empty rows included; the NumPy track refuses it by
 name; bfloat16 autocast runs the whole model with the loss in float32; torch.compile traces the model unchanged.
 The speed of these options on a GPU is measured in benchmarks/gpu_train.py, not here."""
@@ -16,8 +16,8 @@ SRC = torch.tensor([[3, 7, 4, 9, 5], [6, 10, 4, PAD, PAD]])
 TGT = torch.tensor([[BOS, 4, 8, 3, 6, 5], [BOS, 6, 3, EOS, PAD, PAD]])
 
 
-def model(attention="explicit", dtype=torch.float64, dropout=0.0):
-    m = tt.Transformer(V, V, 16, 4, 32, 2, dropout=dropout, max_len=16, rng=0, dtype=dtype, attention=attention)
+def model(attn_impl="explicit", dtype=torch.float64, dropout=0.0):
+    m = tt.Transformer(V, V, 16, 4, 32, 2, dropout=dropout, max_len=16, rng=0, dtype=dtype, attn_impl=attn_impl)
     return m.eval()
 
 
@@ -44,8 +44,8 @@ def test_sdpa_gives_zeros_on_rows_with_nothing_to_attend_to_as_explicit():
     mask = torch.ones(2, 1, 4, 4, dtype=torch.bool)
     mask[1, 0, 2] = False  # query 2 of the second sequence sees nothing
     outs = []
-    for attention in ("explicit", "sdpa"):
-        mha = tt.MultiHeadAttention(8, 2, rng=0, dtype=torch.float64, attention=attention)
+    for attn_impl in ("explicit", "sdpa"):
+        mha = tt.MultiHeadAttention(8, 2, rng=0, dtype=torch.float64, attn_impl=attn_impl)
         y = mha(x, x, x, mask)
         (gx,) = torch.autograd.grad(y.square().sum(), x)
         outs.append((y.detach(), gx))
@@ -85,17 +85,17 @@ def test_sdpa_trains_with_attention_dropout(monkeypatch):
 
 
 def test_sdpa_is_a_torch_only_option_refused_by_numpy_with_its_name():
-    assert "sdpa" in tt.ATTENTION and "sdpa" not in tn.ATTENTION
-    with pytest.raises(ValueError, match=r"MultiHeadAttention: attention='sdpa' .* exists in tfm_torch only"):
-        tn.MultiHeadAttention(8, 2, attention="sdpa")
-    with pytest.raises(ValueError, match=r"use_attention: attention='sdpa' .* tfm_numpy has attention in"):
+    assert "sdpa" in tt.ATTN_IMPLS and "sdpa" not in tn.ATTN_IMPLS
+    with pytest.raises(ValueError, match=r"MultiHeadAttention: attn_impl='sdpa' .* exists in tfm_torch only"):
+        tn.MultiHeadAttention(8, 2, attn_impl="sdpa")
+    with pytest.raises(ValueError, match=r"use_attention: attn_impl='sdpa' .* tfm_numpy has attn_impl in"):
         tn.use_attention(tn.MultiHeadAttention(8, 2), "sdpa")
     m = tt.use_attention(model(), "sdpa")
-    assert "attention='sdpa'" in repr(m.encoder.layers[0].self_attn)
+    assert "attn_impl='sdpa'" in repr(m.encoder.layers[0].self_attn)
 
 
 def test_bfloat16_autocast_runs_the_model_with_a_float32_loss_close_to_float32():
-    m = model(dtype=torch.float32, attention="sdpa")
+    m = model(dtype=torch.float32, attn_impl="sdpa")
     loss_fn = tt.CrossEntropyLoss(ignore_index=PAD)
     full = loss_fn(m(SRC, TGT[:, :-1]), TGT[:, 1:])
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -118,7 +118,7 @@ def test_half_precision_inputs_are_still_refused_outside_autocast():
 
 def test_torch_compile_traces_the_model_to_the_same_logits():
     torch._dynamo.reset()
-    m = model(attention="sdpa")
+    m = model(attn_impl="sdpa")
     compiled = torch.compile(m, backend="eager")  # dynamo's tracing without code generation: fast, CPU-only
     assert torch.allclose(compiled(SRC, TGT[:, :-1]), m(SRC, TGT[:, :-1]), rtol=0, atol=0)
     np.testing.assert_array_equal(tt.greedy_decode(compiled, SRC, BOS, EOS, 6), tt.greedy_decode(m, SRC, BOS, EOS, 6))

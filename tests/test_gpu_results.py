@@ -29,7 +29,7 @@ def test_every_case_set_is_well_formed():
             assert set(row) == set(gpu_train.KEYS), (name, case)
             assert row["batch"] % 96 == 0 and row["vocab"] in (8000, 37000)
             assert row["adam"] in ("foreach", "fused") and 0 <= row["dropout"] < 1
-            assert (row["model"] == "ours") == (row["attention"] != "torch.nn"), case
+            assert (row["model"] == "ours") == (row["attn_impl"] != "torch.nn"), case
             if "cudagraphs" in str(row["compiled"]):  # replayed graphs: the whole step, fused Adam included
                 assert row["adam"] == "fused", case
 

@@ -14,12 +14,12 @@ SRC = np.array([[3, 7, 1, 9, 5], [2, 10, 4, 0, 0]])
 TGT = np.array([[BOS, 4, 8, 3, 6, 5], [BOS, 6, 3, EOS, PAD, PAD]])
 
 
-def make(track, attention="explicit", max_len=12):
+def make(track, attn_impl="explicit", max_len=12):
     m = tn.Transformer(11, 9, d_model=16, n_heads=2, d_ff=32, n_layers=2, max_len=max_len, dropout=0.0,
-                       attention=attention, tile_size=2, rng=0, dtype=np.float64)  # fmt: skip
+                       attn_impl=attn_impl, tile_size=2, rng=0, dtype=np.float64)  # fmt: skip
     if track == "numpy":
         return m, tn, np.asarray
-    twin = tt.Transformer(**m.config, attention=attention, tile_size=2, rng=0, dtype=torch.float64)
+    twin = tt.Transformer(**m.config, attn_impl=attn_impl, tile_size=2, rng=0, dtype=torch.float64)
     twin.load_state_dict({k: torch.from_numpy(v) for k, v in m.state_dict().items()})
     return twin.eval(), tt, torch.from_numpy
 
@@ -84,7 +84,7 @@ def test_reordered_buffers_keep_their_capacity_and_copy_only_the_written_part(tr
 def test_decoding_with_flash_attention_matches_explicit(track):
     """Greedy and beam search with every attention tiled: the same tokens, and the cached step's logits equal."""
     ex, lib, A = make(track)
-    fl = make(track, attention="flash")[0]
+    fl = make(track, attn_impl="flash")[0]
     with torch.no_grad():
         for fn in (lib.greedy_decode, lambda *a: lib.beam_search(*a, beam_size=3)):
             assert np.array_equal(to_numpy(fn(ex, A(SRC), BOS, EOS, 10)), to_numpy(fn(fl, A(SRC), BOS, EOS, 10)))

@@ -133,7 +133,7 @@ def test_what_the_lean_step_leaves_to_decode_step():
     assert _decides(model(dropout=0.1).train()) is None  # training: dropout is on
     assert _decides(model(dropout=0.1).eval()) is not None  # eval: dropout is the identity
     assert _decides(model().eval(), cache={"preallocate": False}) is None  # the concatenating cache, on purpose
-    assert _decides(model(attention="flash").eval()) is None  # tiled attention: its own arithmetic
+    assert _decides(model(attn_impl="flash").eval()) is None  # tiled attention: its own arithmetic
     assert _decides(model(head_projection="shared").eval()) is None  # chapter 16a's pitfall
     empty = SRC.copy()
     empty[1] = PAD
@@ -143,7 +143,7 @@ def test_what_the_lean_step_leaves_to_decode_step():
     assert _decides(m) is None  # one module left in training mode
 
 
-@pytest.mark.parametrize("opts", [dict(attention="flash"), dict(head_projection="shared")])
+@pytest.mark.parametrize("opts", [dict(attn_impl="flash"), dict(head_projection="shared")])
 def test_the_models_left_to_decode_step_still_decode_as_uncached(opts):
     m = model(**opts)
     expected = tn.greedy_decode(m, SRC, BOS, EOS, 11, use_cache=False)

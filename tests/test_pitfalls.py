@@ -123,7 +123,7 @@ def test_score_scale_d_model_is_softmax_over_sqrt_d_model():
     s = q @ k.transpose(0, 1, 3, 2) / np.sqrt(D)
     p = np.exp(s - s.max(-1, keepdims=True))
     assert max_abs_diff(m.attn_weights, p / p.sum(-1, keepdims=True)) < 1e-14
-    flash = mha(tn, score_scale="d_model", attention="flash", tile_size=2)
+    flash = mha(tn, score_scale="d_model", attn_impl="flash", tile_size=2)
     flash.load_state_dict(m.state_dict())
     assert max_abs_diff(flash(x, x, x), m(x, x, x)) < 1e-13
 

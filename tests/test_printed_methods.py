@@ -25,7 +25,7 @@ CHAPTERS = sorted((ROOT / "chapters").glob("*.ipynb"))
 # Options that belong to one chapter and must not branch the methods other chapters print: the attention kernel
 # switch and its tile (15b), the pitfall switches (16a), the flash loops' instrumentation, recomputation (20).
 OTHER_CHAPTERS_OPTIONS = {
-    "attention",
+    "attn_impl",
     "tile_size",
     "block_size",
     "score_scale",

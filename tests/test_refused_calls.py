@@ -1,4 +1,4 @@
-"""A refused call changes nothing: attention checks its mask (also torch's attention="sdpa", whose kernel would read
+"""A refused call changes nothing: attention checks its mask (also torch's attn_impl="sdpa", whose kernel would read
 a float mask as an additive bias), the rows of a decoding cache and the tiled kernel's dropout refusal BEFORE it
 projects, caches or stores anything; decode_step checks its memory and source mask before the cache grows. Both
 tracks alike."""
@@ -25,8 +25,8 @@ def lib_of(track):
 def attention(track, kind, attn="explicit"):
     lib, _, dt = lib_of(track)
     if kind == "mha":
-        return lib.MultiHeadAttention(D, H, attention=attn, rng=0, dtype=dt)
-    return lib.GroupedQueryAttention(D, H, n_kv_heads=1, attention=attn, rng=0, dtype=dt)
+        return lib.MultiHeadAttention(D, H, attn_impl=attn, rng=0, dtype=dt)
+    return lib.GroupedQueryAttention(D, H, n_kv_heads=1, attn_impl=attn, rng=0, dtype=dt)
 
 
 def call(m, kind, x, mask=None):

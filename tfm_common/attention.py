@@ -1,5 +1,5 @@
 """What the attention of both tracks shares: the rules of MultiHeadAttention's and GroupedQueryAttention's arguments,
-their doors, use_attention's loop, the option's repr, and the flash kernels' tiles.
+their doors, use_attention's loop, the attn_impl option's repr, and the flash kernels' tiles.
 
 The doors (as tfm_common.doors's) check a call from outside the library before anything is projected, cached or
 stored, so that a refused call changes nothing (a backward after it still differentiates the last good forward). The
@@ -11,7 +11,7 @@ from __future__ import annotations
 from .validate import check_size, check_sizes
 
 __all__ = ["check_heads", "check_kv_heads", "check_rotary", "refuse_flash_dropout", "cached_positions",
-           "MultiHeadAttentionDoor", "GroupedQueryAttentionDoor", "switch_attention", "attention_repr", "tiles",
+           "MultiHeadAttentionDoor", "GroupedQueryAttentionDoor", "switch_attention", "attn_impl_repr", "tiles",
            "mask_tile"]  # fmt: skip
 
 
@@ -42,10 +42,10 @@ def check_rotary(owner: str, rotary, d_head: int, rotary_class: type) -> None:
 def refuse_flash_dropout(owner: str, module) -> None:
     """The tiled kernel has no dropout on the weights: a module training with attention dropout is refused rather
     than silently trained without."""
-    if module.attention == "flash" and module.training and module.dropout.p > 0:
+    if module.attn_impl == "flash" and module.training and module.dropout.p > 0:
         raise ValueError(
-            f"{owner}: attention='flash' has no dropout on the attention weights, got dropout="
-            f"{module.dropout.p} in training mode; use dropout=0.0, eval(), or attention='explicit'"
+            f"{owner}: attn_impl='flash' has no dropout on the attention weights, got dropout="
+            f"{module.dropout.p} in training mode; use dropout=0.0, eval(), or attn_impl='explicit'"
         )
 
 
@@ -76,7 +76,7 @@ class AttentionDoor:
             raise ValueError(f"{owner}: key and value lengths differ: key {k}, value {v}")
 
     def _check_call(self, owner: str, batch: int, tq: int, tk: int, mask) -> None:
-        """The mask against the scores (B, H, Tq, Tk) (also for attention="sdpa", whose kernel would read a float
+        """The mask against the scores (B, H, Tq, Tk) (also for attn_impl="sdpa", whose kernel would read a float
         mask as an additive bias); the tiled kernel's refusal of attention dropout."""
         if mask is not None:
             self._check_mask(mask, (batch, self.n_heads, tq, tk))
@@ -106,23 +106,25 @@ class GroupedQueryAttentionDoor(AttentionDoor):
         self._check_call("GroupedQueryAttention", x.shape[0], x.shape[1], keys, mask)
 
 
-def switch_attention(model, modules, attention: str, tile_size: int):
-    """`use_attention`'s loop: set `attention` and `tile_size` on each of `modules` (the model's attention modules,
+def switch_attention(model, modules, attn_impl: str, tile_size: int):
+    """`use_attention`'s loop: set `attn_impl` and `tile_size` on each of `modules` (the model's attention modules,
     checked options); refuses a model without any. Returns the model."""
     switched = 0
     for m in modules:
-        m.attention, m.tile_size = attention, tile_size
+        m.attn_impl, m.tile_size = attn_impl, tile_size
         switched += 1
     if not switched:  # nothing would change: say so rather than return the model as it was
-        raise ValueError(f"use_attention: {type(model).__name__} has no attention module to switch to {attention!r}")
+        raise ValueError(
+            f"use_attention: {type(model).__name__} has no attention module to switch to attn_impl={attn_impl!r}"
+        )
     return model
 
 
-def attention_repr(module) -> str:
-    """The attention option in a module's repr: nothing for the default "explicit"."""
-    if module.attention == "flash":
-        return f", attention='flash', tile_size={module.tile_size}"
-    return ", attention='sdpa'" if module.attention == "sdpa" else ""
+def attn_impl_repr(module) -> str:
+    """The attn_impl option in a module's repr: nothing for the default "explicit"."""
+    if module.attn_impl == "flash":
+        return f", attn_impl='flash', tile_size={module.tile_size}"
+    return ", attn_impl='sdpa'" if module.attn_impl == "sdpa" else ""
 
 
 def tiles(n: int, size: int) -> list[slice]:

@@ -29,7 +29,7 @@ FF_ACTIVATIONS = ("relu", "gelu")  # the two that torch.nn.TransformerEncoderLay
 GPT_NORMS = ("layernorm", "rmsnorm")
 GPT_POSITIONAL = ("learned", "sinusoidal", "rope")
 GPT_ACTIVATIONS = ("gelu", "relu", "swiglu")
-# the GPT's `config`: its constructor's arguments but attention, tile_size, rng and dtype (not what the model is)
+# the GPT's `config`: its constructor's arguments but attn_impl, tile_size, rng and dtype (not what the model is)
 GPT_ARGS = ("vocab_size", "d_model", "n_heads", "d_ff", "n_layers", "max_len", "dropout", "norm", "positional",
             "activation", "n_kv_heads", "tie_output")  # fmt: skip
 VIT_ARGS = ("image_size", "patch_size", "in_channels", "n_classes", "d_model", "n_heads", "d_ff", "n_layers", "dropout",

@@ -14,7 +14,7 @@ import numpy as np
 
 from tfm_common.attention import (
     MultiHeadAttentionDoor,
-    attention_repr,
+    attn_impl_repr,
     check_heads,
     refuse_flash_dropout,
     switch_attention,
@@ -38,13 +38,13 @@ __all__ = [
     "ScaledLinear",
     "SharedHeadProjectionAttention",
     "make_attention",
-    "ATTENTION",
+    "ATTN_IMPLS",
     "SCORE_SCALES",
     "HEAD_PROJECTIONS",
     "use_attention",
 ]
 
-ATTENTION = ("explicit", "flash")
+ATTN_IMPLS = ("explicit", "flash")
 
 
 # -- scaled dot-product attention ----------------------------------------------------------------------------
@@ -149,19 +149,19 @@ class _Tiles(NamedTuple):
 
 
 class AttentionImpl:
-    """How an attention module's heads compute softmax(q k^T / sqrt(dk)) v: `attention="explicit"` forms the
+    """How an attention module's heads compute softmax(q k^T / sqrt(dk)) v: `attn_impl="explicit"` forms the
     weights (B, H, Tq, Tk), with dropout on them, and keeps them in `attn_weights`; "flash" runs chapter 15b's tiled
     kernel in tiles of `tile_size` (no weights kept, no dropout). `use_attention` switches every module deriving from
-    this class. Such a module has `dropout` (a Dropout) and `attn_weights`, sets `attention` and `tile_size` with
-    `check_attention`, calls `ctx = self._attend(q, k, v, mask)` in its forward and
+    this class. Such a module has `dropout` (a Dropout) and `attn_weights`, sets `attn_impl` and `tile_size` with
+    `check_attn_impl`, calls `ctx = self._attend(q, k, v, mask)` in its forward and
     `dq, dk, dv = self._attend_backward(d_ctx, self._saved())` in its backward."""
 
-    attention: str
+    attn_impl: str
     tile_size: int
 
     def _attend(self, q, k, v, mask):
         """q (B, H, Tq, dk), k (B, H, Tk, dk), v (B, H, Tk, dv) -> the heads' output (B, H, Tq, dv)."""
-        attend = self._attend_flash if self.attention == "flash" else self._attend_explicit
+        attend = self._attend_flash if self.attn_impl == "flash" else self._attend_explicit
         return attend(q, k, v, mask)
 
     def _attend_backward(self, d_ctx, saved):
@@ -201,7 +201,7 @@ class MultiHeadAttention(AttentionImpl, MultiHeadAttentionDoor, Module):
     forward(query (B, Tq, d), key (B, Tk, d), value (B, Tk, d), mask) -> (B, Tq, d). The heads are a batch
     dimension: (B, T, d) -> (B, T, H, dk) -> (B, H, T, dk). After a forward, `attn_weights` holds the
     softmax weights (B, H, Tq, Tk) (before dropout; torch.nn.MultiheadAttention returns them after).
-    `attention` and `tile_size`: see `AttentionImpl`. score_scale="d_model" (chapter 16a): see `ScaledLinear`.
+    `attn_impl` and `tile_size`: see `AttentionImpl`. score_scale="d_model" (chapter 16a): see `ScaledLinear`.
 
     backward(grad_out) returns (d_query, d_key, d_value). When one tensor fed several inputs, add its
     gradients: self-attention `dx = sum(mha.backward(g))`, cross-attention `d_memory = d_key + d_value`.
@@ -216,7 +216,7 @@ class MultiHeadAttention(AttentionImpl, MultiHeadAttentionDoor, Module):
         dropout: float = 0.0,
         bias: bool = True,
         *,
-        attention: str = "explicit",
+        attn_impl: str = "explicit",
         tile_size: int = 64,
         score_scale: str = "d_k",
         rng=None,
@@ -225,7 +225,7 @@ class MultiHeadAttention(AttentionImpl, MultiHeadAttentionDoor, Module):
         super().__init__()
         owner = type(self).__name__
         self.d_model, self.n_heads, self.d_head = check_heads(owner, d_model, n_heads)
-        self.attention, self.tile_size = check_attention(owner, attention, tile_size)
+        self.attn_impl, self.tile_size = check_attn_impl(owner, attn_impl, tile_size)
         self.score_scale = check_choice(owner, "score_scale", score_scale, SCORE_SCALES)
         # 1/sqrt(H) on the queries turns the 1/sqrt(dk) of the attention into 1/sqrt(d_model); None: the paper's
         self.q_scale = None if score_scale == "d_k" else 1.0 / math.sqrt(n_heads)
@@ -299,7 +299,7 @@ class MultiHeadAttention(AttentionImpl, MultiHeadAttentionDoor, Module):
 
     def extra_repr(self) -> str:
         scale = ", score_scale='d_model'" if self.score_scale == "d_model" else ""
-        return f"d_model={self.d_model}, n_heads={self.n_heads}{attention_repr(self)}{scale}"
+        return f"d_model={self.d_model}, n_heads={self.n_heads}{attn_impl_repr(self)}{scale}"
 
 
 class ScaledLinear(Linear):
@@ -368,18 +368,18 @@ def make_attention(head_projection: str, d_model: int, n_heads: int, dropout: fl
     return cls(d_model, n_heads, dropout, **kwargs)
 
 
-def check_attention(owner: str, attention, tile_size) -> tuple[str, int]:
-    """The attention option: "explicit" (weights formed, kept for inspection) or "flash" (tiled), and its tile."""
-    if attention == "sdpa":  # the torch track's third choice, named so that the refusal says where it lives
-        raise ValueError(f"{owner}: attention='sdpa' (torch.nn.functional.scaled_dot_product_attention) exists in "
-                         f"tfm_torch only; tfm_numpy has attention in {ATTENTION}")  # fmt: skip
-    return check_choice(owner, "attention", attention, ATTENTION), check_size(owner, "tile_size", tile_size)
+def check_attn_impl(owner: str, attn_impl, tile_size) -> tuple[str, int]:
+    """The attn_impl option: "explicit" (weights formed, kept for inspection) or "flash" (tiled), and its tile."""
+    if attn_impl == "sdpa":  # the torch track's third choice, named so that the refusal says where it lives
+        raise ValueError(f"{owner}: attn_impl='sdpa' (torch.nn.functional.scaled_dot_product_attention) exists in "
+                         f"tfm_torch only; tfm_numpy has attn_impl in {ATTN_IMPLS}")  # fmt: skip
+    return check_choice(owner, "attn_impl", attn_impl, ATTN_IMPLS), check_size(owner, "tile_size", tile_size)
 
 
-def use_attention(model, attention: str = "explicit", tile_size: int = 64):
+def use_attention(model, attn_impl: str = "explicit", tile_size: int = 64):
     """Switch every attention module inside `model` (each `AttentionImpl`: MultiHeadAttention, the GPT's
-    GroupedQueryAttention) to `attention` ("explicit" or "flash") with `tile_size`; returns the model. The weights
+    GroupedQueryAttention) to `attn_impl` ("explicit" or "flash") with `tile_size`; returns the model. The weights
     are untouched: only how the heads compute softmax(q k^T / sqrt(dk)) v."""
-    attention, tile_size = check_attention("use_attention", attention, tile_size)
+    attn_impl, tile_size = check_attn_impl("use_attention", attn_impl, tile_size)
     modules = [m for _, m in model.named_modules() if isinstance(m, AttentionImpl)]
-    return switch_attention(model, modules, attention, tile_size)
+    return switch_attention(model, modules, attn_impl, tile_size)

@@ -39,7 +39,7 @@ def lean_fits(model, tgt: np.ndarray, src_mask: np.ndarray, cache: dict) -> bool
         # the after-norm variant computes the same in eval mode (its dropout is the identity)
         and all(type(layer) in (DecoderLayer, DropoutAfterNormDecoderLayer) for layer in layers)
         and all(type(layer.ff) is PositionwiseFeedForward for layer in layers)
-        and all(type(a) is MultiHeadAttention and a.attention == "explicit" for a in attns)
+        and all(type(a) is MultiHeadAttention and a.attn_impl == "explicit" for a in attns)
         and cache.get("preallocate", True)
         and "layers" not in cache  # a fresh cache
         and bool((tgt[:, -1] != model.pad_id).all())  # the first position can be attended to: no empty row ...

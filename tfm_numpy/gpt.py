@@ -16,7 +16,7 @@ from tfm_common.model_doors import GPTBlockDoor, GPTDoor
 from tfm_common.sampling import sample_next
 from tfm_common.training import eval_mode
 
-from .attention import check_attention, use_attention
+from .attention import check_attn_impl, use_attention
 from .layers import Dropout, Embedding, LayerNorm, Linear
 from .masks import causal_mask
 from .modern import GroupedQueryAttention, RMSNorm, RotaryEmbedding, SwiGLUFeedForward, swiglu_hidden_size
@@ -97,7 +97,7 @@ class GPT(GPTDoor, Module):
       activation  "gelu" (GPT-2; the exact form), "relu", or "swiglu" (Llama; width swiglu_hidden_size(d_ff))
       n_kv_heads  key/value heads for grouped-query attention (None: n_heads; 1: multi-query)
       tie_output  the output projection's weight IS the token embedding (GPT-2 does this)
-      attention   "explicit" (weights kept for plotting) or "flash" (tiled, chapter 15b, in tiles of tile_size
+      attn_impl   "explicit" (weights kept for plotting) or "flash" (tiled, chapter 15b, in tiles of tile_size
                   positions); tfm_torch also "sdpa". Not a weight and not in `config`: `use_attention(model, ...)`
                   switches it later
     Every option combination has one set of state_dict keys, in both tracks.
@@ -128,14 +128,14 @@ class GPT(GPTDoor, Module):
         activation: str = "gelu",
         n_kv_heads: int | None = None,
         tie_output: bool = True,
-        attention: str = "explicit",
+        attn_impl: str = "explicit",
         tile_size: int = 64,
         rng=None,
         dtype=np.float32,
     ):
         super().__init__()
         self.config = c = check_gpt_config("GPT", {k: v for k, v in locals().items() if k in GPT_ARGS})
-        attention, tile_size = check_attention("GPT", attention, tile_size)  # refused before anything is built
+        attn_impl, tile_size = check_attn_impl("GPT", attn_impl, tile_size)  # refused before anything is built
         self.vocab_size, self.d_model, self.max_len = c["vocab_size"], c["d_model"], c["max_len"]
         dt, rng = check_dtype(dtype), as_rng(rng)
         self.embed = Embedding(self.vocab_size, self.d_model, rng=rng, dtype=dt)
@@ -159,7 +159,7 @@ class GPT(GPTDoor, Module):
         for _, p in self.layers.named_parameters():
             if p.data.ndim == 2:
                 xavier_uniform_(p, rng)
-        use_attention(self, attention, tile_size)  # how every block computes its heads (not a weight)
+        use_attention(self, attn_impl, tile_size)  # how every block computes its heads (not a weight)
 
     # -- forward and backward --------------------------------------------------------------------------------------
     def forward(self, tokens: np.ndarray) -> np.ndarray:

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from tfm_common.attention import GroupedQueryAttentionDoor, attention_repr, check_heads, check_kv_heads, check_rotary
+from tfm_common.attention import GroupedQueryAttentionDoor, attn_impl_repr, check_heads, check_kv_heads, check_rotary
 from tfm_common.validate import check_positions, check_real, check_size, check_sizes
 
-from .attention import AttentionImpl, check_attention
+from .attention import AttentionImpl, check_attn_impl
 from .kv_cache import cache_append
 from .layers import Dropout, Linear
 from .masks import check_mask
@@ -214,7 +214,7 @@ class GroupedQueryAttention(AttentionImpl, GroupedQueryAttentionDoor, Module):
     forward(x (B, T, d), mask, offset=0) -> (B, T, d); backward(dy) -> dx. Projections q_proj (d -> d), k_proj and
     v_proj (d -> n_kv_heads d_head), out_proj (d -> d): with n_kv_heads = n_heads MultiHeadAttention's keys, shapes
     and function. `rotary` (a RotaryEmbedding for d_head, or None) rotates queries and keys at positions offset ..
-    offset + T - 1, after the split into heads. The cache of `forward_step` holds n_kv_heads heads. `attention` as
+    offset + T - 1, after the split into heads. The cache of `forward_step` holds n_kv_heads heads. `attn_impl` as
     MultiHeadAttention's (the tiled kernel runs on the repeated key/value heads).
     """
 
@@ -229,7 +229,7 @@ class GroupedQueryAttention(AttentionImpl, GroupedQueryAttentionDoor, Module):
         bias: bool = True,
         *,
         rotary: RotaryEmbedding | None = None,
-        attention: str = "explicit",
+        attn_impl: str = "explicit",
         tile_size: int = 64,
         rng=None,
         dtype=np.float32,
@@ -247,7 +247,7 @@ class GroupedQueryAttention(AttentionImpl, GroupedQueryAttentionDoor, Module):
         self.out_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
         self.dropout = Dropout(dropout, rng=g)
         self.rotary = rotary
-        self.attention, self.tile_size = check_attention(owner, attention, tile_size)
+        self.attn_impl, self.tile_size = check_attn_impl(owner, attn_impl, tile_size)
         self.attn_weights: np.ndarray | None = None
 
     def _split(self, x: np.ndarray, n: int) -> np.ndarray:
@@ -315,5 +315,5 @@ class GroupedQueryAttention(AttentionImpl, GroupedQueryAttentionDoor, Module):
     def extra_repr(self) -> str:
         rope = ", rotary" if self.rotary is not None else ""
         return (
-            f"d_model={self.d_model}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}{rope}{attention_repr(self)}"
+            f"d_model={self.d_model}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}{rope}{attn_impl_repr(self)}"
         )

@@ -18,7 +18,7 @@ from tfm_common.config import transformer_options
 from tfm_common.doors import TransformerDoor
 from tfm_common.validate import check_size
 
-from .attention import check_attention, use_attention
+from .attention import check_attn_impl, use_attention
 from .encoder_decoder import Decoder, Encoder
 from .kv_cache import cache_append
 from .layers import Dropout, Embedding, LayerNorm, Linear
@@ -53,7 +53,7 @@ class Transformer(TransformerDoor, Module):
       tie_output        the output projection's weight IS the target embedding matrix (the paper, section 3.4:
                         "we share the same weight matrix between the two embedding layers and the pre-softmax
                         linear transformation", after Press and Wolf, 2017).
-      attention         "explicit" (the weights formed, inspectable) or "flash" (tiled, `flash_attention`, in
+      attn_impl         "explicit" (the weights formed, inspectable) or "flash" (tiled, `flash_attention`, in
                         tiles of `tile_size`): the same model to rounding; see `MultiHeadAttention`. Not part of
                         the configuration (no weight depends on it); `use_attention(model, ...)` switches it later.
     Options that reproduce choices of popular code, measured in chapter 16a (keyword-only; the defaults are the
@@ -103,7 +103,7 @@ class Transformer(TransformerDoor, Module):
         activation: str = "relu",
         final_norm: bool | None = None,
         *,
-        attention: str = "explicit",
+        attn_impl: str = "explicit",
         tile_size: int = 64,
         score_scale: str = "d_k",
         head_projection: str = "full",
@@ -126,8 +126,8 @@ class Transformer(TransformerDoor, Module):
         d_model, n_heads, d_ff, n_layers, max_len, pad_id = (c[k] for k in ("d_model", "n_heads", "d_ff", "n_layers",
                                                                             "max_len", "pad_id"))  # fmt: skip
         src_vocab_size, tgt_vocab_size = c["src_vocab_size"], c["tgt_vocab_size"]
-        attention, tile_size = check_attention(
-            "Transformer", attention, check_size("Transformer", "tile_size", tile_size)
+        attn_impl, tile_size = check_attn_impl(
+            "Transformer", attn_impl, check_size("Transformer", "tile_size", tile_size)
         )
         self.d_model, self.max_len, self.pad_id = d_model, max_len, pad_id
         self.src_vocab_size, self.tgt_vocab_size = src_vocab_size, tgt_vocab_size
@@ -157,7 +157,7 @@ class Transformer(TransformerDoor, Module):
         for _, p in [*self.encoder.named_parameters(), *self.decoder.named_parameters()]:
             if p.data.ndim == 2:
                 xavier_uniform_(p, rng)
-        use_attention(self, attention, tile_size)  # how every attention computes its heads (not a weight)
+        use_attention(self, attn_impl, tile_size)  # how every attention computes its heads (not a weight)
 
     def _make_positional(self, positional: str, rng, dt) -> Module:
         if positional == "sinusoidal":  # no parameters; its own dropout unused (p=0): ours follows the sum

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from tfm_common.attention import (
     MultiHeadAttentionDoor,
-    attention_repr,
+    attn_impl_repr,
     check_heads,
     refuse_flash_dropout,
     switch_attention,
@@ -34,15 +34,15 @@ __all__ = [
     "ScaledLinear",
     "SharedHeadProjectionAttention",
     "make_attention",
-    "ATTENTION",
+    "ATTN_IMPLS",
     "SCORE_SCALES",
     "HEAD_PROJECTIONS",
     "use_attention",
 ]
 
 # "sdpa" (torch.nn.functional.scaled_dot_product_attention: fused kernels on a GPU) exists in this track only; the
-# NumPy track refuses it by name (tfm_numpy.attention.check_attention)
-ATTENTION = ("explicit", "flash", "sdpa")
+# NumPy track refuses it by name (tfm_numpy.attention.check_attn_impl)
+ATTN_IMPLS = ("explicit", "flash", "sdpa")
 
 
 # -- scaled dot-product attention ----------------------------------------------------------------------------
@@ -80,12 +80,12 @@ class AttentionImpl:
     torch.nn.functional.scaled_dot_product_attention, its fused kernels on a GPU (attention dropout from torch's
     global generator, not `rng`; no weights kept)."""
 
-    attention: str
+    attn_impl: str
     tile_size: int
 
     def _attend(self, q, k, v, mask) -> torch.Tensor:
         """q (B, H, Tq, dk), k (B, H, Tk, dk), v (B, H, Tk, dv) -> the heads' output (B, H, Tq, dv)."""
-        attend = {"flash": self._attend_flash, "sdpa": self._attend_sdpa}.get(self.attention, self._attend_explicit)
+        attend = {"flash": self._attend_flash, "sdpa": self._attend_sdpa}.get(self.attn_impl, self._attend_explicit)
         return attend(q, k, v, mask)
 
     def _attend_explicit(self, q, k, v, mask) -> torch.Tensor:
@@ -105,7 +105,7 @@ class AttentionImpl:
 
 
 class MultiHeadAttention(AttentionImpl, MultiHeadAttentionDoor, Module):
-    """Twin of tfm_numpy.MultiHeadAttention (same submodules, same keys); `attn_weights` are detached. attention="sdpa"
+    """Twin of tfm_numpy.MultiHeadAttention (same submodules, same keys); `attn_weights` are detached. attn_impl="sdpa"
     (this track only) takes the same mask (a row with nothing to attend to gives zeros, as here)."""
 
     _check_float, _check_mask = staticmethod(check_input), staticmethod(check_mask)  # the door's checks
@@ -117,7 +117,7 @@ class MultiHeadAttention(AttentionImpl, MultiHeadAttentionDoor, Module):
         dropout: float = 0.0,
         bias: bool = True,
         *,
-        attention: str = "explicit",
+        attn_impl: str = "explicit",
         tile_size: int = 64,
         score_scale: str = "d_k",
         rng=None,
@@ -126,7 +126,7 @@ class MultiHeadAttention(AttentionImpl, MultiHeadAttentionDoor, Module):
         super().__init__()
         owner = type(self).__name__
         self.d_model, self.n_heads, self.d_head = check_heads(owner, d_model, n_heads)
-        self.attention, self.tile_size = check_attention(owner, attention, tile_size)
+        self.attn_impl, self.tile_size = check_attn_impl(owner, attn_impl, tile_size)
         self.score_scale = check_choice(owner, "score_scale", score_scale, SCORE_SCALES)
         self.q_scale = None if score_scale == "d_k" else 1.0 / math.sqrt(n_heads)
         dt, g = check_dtype(dtype), as_generator(rng)
@@ -177,7 +177,7 @@ class MultiHeadAttention(AttentionImpl, MultiHeadAttentionDoor, Module):
 
     def extra_repr(self) -> str:
         scale = ", score_scale='d_model'" if self.score_scale == "d_model" else ""
-        return f"d_model={self.d_model}, n_heads={self.n_heads}{attention_repr(self)}{scale}"
+        return f"d_model={self.d_model}, n_heads={self.n_heads}{attn_impl_repr(self)}{scale}"
 
 
 class ScaledLinear(Linear):
@@ -225,13 +225,13 @@ def make_attention(head_projection: str, d_model: int, n_heads: int, dropout: fl
     return cls(d_model, n_heads, dropout, **kwargs)
 
 
-def check_attention(owner: str, attention, tile_size) -> tuple[str, int]:
-    """The attention option (tfm_numpy's two, and "sdpa") and the tile size."""
-    return check_choice(owner, "attention", attention, ATTENTION), check_size(owner, "tile_size", tile_size)
+def check_attn_impl(owner: str, attn_impl, tile_size) -> tuple[str, int]:
+    """The attn_impl option (tfm_numpy's two, and "sdpa") and the tile size."""
+    return check_choice(owner, "attn_impl", attn_impl, ATTN_IMPLS), check_size(owner, "tile_size", tile_size)
 
 
-def use_attention(model, attention: str = "explicit", tile_size: int = 64):
-    """Switch every `AttentionImpl` inside `model` to `attention` with `tile_size` (as tfm_numpy.use_attention)."""
-    attention, tile_size = check_attention("use_attention", attention, tile_size)
+def use_attention(model, attn_impl: str = "explicit", tile_size: int = 64):
+    """Switch every `AttentionImpl` inside `model` to `attn_impl` with `tile_size` (as tfm_numpy.use_attention)."""
+    attn_impl, tile_size = check_attn_impl("use_attention", attn_impl, tile_size)
     modules = [m for m in model.modules() if isinstance(m, AttentionImpl)]
-    return switch_attention(model, modules, attention, tile_size)
+    return switch_attention(model, modules, attn_impl, tile_size)

@@ -13,7 +13,7 @@ from tfm_common.model_doors import GPTBlockDoor, GPTDoor
 from tfm_common.sampling import sample_next
 from tfm_common.training import eval_mode
 
-from .attention import check_attention, use_attention
+from .attention import check_attn_impl, use_attention
 from .layers import Dropout, Embedding, LayerNorm, Linear
 from .masks import causal_mask
 from .modern import GroupedQueryAttention, RMSNorm, RotaryEmbedding, SwiGLUFeedForward, swiglu_hidden_size
@@ -88,14 +88,14 @@ class GPT(GPTDoor, Module):
         activation: str = "gelu",
         n_kv_heads: int | None = None,
         tie_output: bool = True,
-        attention: str = "explicit",
+        attn_impl: str = "explicit",
         tile_size: int = 64,
         rng=None,
         dtype=None,
     ):
         super().__init__()
         self.config = c = check_gpt_config("GPT", {k: v for k, v in locals().items() if k in GPT_ARGS})
-        attention, tile_size = check_attention("GPT", attention, tile_size)  # refused before anything is built
+        attn_impl, tile_size = check_attn_impl("GPT", attn_impl, tile_size)  # refused before anything is built
         self.vocab_size, self.d_model, self.max_len = c["vocab_size"], c["d_model"], c["max_len"]
         dt, rng = check_dtype(dtype), as_generator(rng)
         self.embed = Embedding(self.vocab_size, self.d_model, rng=rng, dtype=dt)
@@ -120,7 +120,7 @@ class GPT(GPTDoor, Module):
         for _, p in self.layers.named_parameters():
             if p.dim() == 2:
                 xavier_uniform_(p, rng)
-        use_attention(self, attention, tile_size)  # how every block computes its heads (not a weight)
+        use_attention(self, attn_impl, tile_size)  # how every block computes its heads (not a weight)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self._embed(tokens, 0)  # (B, T, d)

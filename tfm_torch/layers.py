@@ -125,7 +125,7 @@ class Dropout(Module):
         if mask is None and torch.compiler.is_compiling():
             # torch.compile cannot trace a draw from a torch.Generator argument: the graph would break at every
             # dropout. Compiled, the mask comes from torch's global generator (torch.manual_seed), as
-            # attention="sdpa" draws its dropout: the same distribution, not the masks `rng` would give.
+            # attn_impl="sdpa" draws its dropout: the same distribution, not the masks `rng` would give.
             mask = torch.rand(x.shape, dtype=torch.float64, device=x.device) >= self.p
         elif mask is None:
             u = torch.rand(x.shape, generator=self.rng, dtype=torch.float64, device=self.rng.device)

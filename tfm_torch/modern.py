@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tfm_common.attention import GroupedQueryAttentionDoor, attention_repr, check_heads, check_kv_heads, check_rotary
+from tfm_common.attention import GroupedQueryAttentionDoor, attn_impl_repr, check_heads, check_kv_heads, check_rotary
 from tfm_common.validate import check_positions, check_real, check_size, check_sizes
 
-from .attention import AttentionImpl, check_attention
+from .attention import AttentionImpl, check_attn_impl
 from .kv_cache import cache_append
 from .layers import Dropout, Linear
 from .masks import check_mask
@@ -124,7 +124,7 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
 
 
 class GroupedQueryAttention(AttentionImpl, GroupedQueryAttentionDoor, Module):
-    """Grouped-query self-attention, twin of tfm_numpy's; attention="sdpa" (this track only) takes the key/value heads
+    """Grouped-query self-attention, twin of tfm_numpy's; attn_impl="sdpa" (this track only) takes the key/value heads
     unrepeated (enable_gqa)."""
 
     _check_float, _check_mask = staticmethod(check_input), staticmethod(check_mask)  # the door's checks
@@ -138,7 +138,7 @@ class GroupedQueryAttention(AttentionImpl, GroupedQueryAttentionDoor, Module):
         bias: bool = True,
         *,
         rotary: RotaryEmbedding | None = None,
-        attention: str = "explicit",
+        attn_impl: str = "explicit",
         tile_size: int = 64,
         rng=None,
         dtype=None,
@@ -156,7 +156,7 @@ class GroupedQueryAttention(AttentionImpl, GroupedQueryAttentionDoor, Module):
         self.out_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
         self.dropout = Dropout(dropout, rng=g)
         self.rotary = rotary
-        self.attention, self.tile_size = check_attention(owner, attention, tile_size)
+        self.attn_impl, self.tile_size = check_attn_impl(owner, attn_impl, tile_size)
         self.attn_weights: torch.Tensor | None = None
 
     def _split(self, x: torch.Tensor, n: int) -> torch.Tensor:
@@ -198,5 +198,5 @@ class GroupedQueryAttention(AttentionImpl, GroupedQueryAttentionDoor, Module):
     def extra_repr(self) -> str:
         rope = ", rotary" if self.rotary is not None else ""
         return (
-            f"d_model={self.d_model}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}{rope}{attention_repr(self)}"
+            f"d_model={self.d_model}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}{rope}{attn_impl_repr(self)}"
         )

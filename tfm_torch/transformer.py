@@ -14,7 +14,7 @@ from tfm_common.config import transformer_options
 from tfm_common.doors import TransformerDoor
 from tfm_common.validate import check_size
 
-from .attention import check_attention, use_attention
+from .attention import check_attn_impl, use_attention
 from .encoder_decoder import Decoder, Encoder
 from .kv_cache import cache_append
 from .layers import Dropout, Embedding, LayerNorm, Linear
@@ -63,7 +63,7 @@ class Transformer(TransformerDoor, Module):
         activation: str = "relu",
         final_norm: bool | None = None,
         *,
-        attention: str = "explicit",
+        attn_impl: str = "explicit",
         tile_size: int = 64,
         score_scale: str = "d_k",
         head_projection: str = "full",
@@ -86,8 +86,8 @@ class Transformer(TransformerDoor, Module):
         d_model, n_heads, d_ff, n_layers, max_len, pad_id = (c[k] for k in ("d_model", "n_heads", "d_ff", "n_layers",
                                                                             "max_len", "pad_id"))  # fmt: skip
         src_vocab_size, tgt_vocab_size = c["src_vocab_size"], c["tgt_vocab_size"]
-        attention, tile_size = check_attention(
-            "Transformer", attention, check_size("Transformer", "tile_size", tile_size)
+        attn_impl, tile_size = check_attn_impl(
+            "Transformer", attn_impl, check_size("Transformer", "tile_size", tile_size)
         )
         self.d_model, self.max_len, self.pad_id = d_model, max_len, pad_id
         self.src_vocab_size, self.tgt_vocab_size = src_vocab_size, tgt_vocab_size
@@ -118,7 +118,7 @@ class Transformer(TransformerDoor, Module):
         for p in [*self.encoder.parameters(), *self.decoder.parameters()]:
             if p.dim() == 2:
                 xavier_uniform_(p, gen)
-        use_attention(self, attention, tile_size)  # how every attention computes its heads (not a weight)
+        use_attention(self, attn_impl, tile_size)  # how every attention computes its heads (not a weight)
 
     def _make_positional(self, positional: str, gen, dt) -> nn.Module:
         if positional == "sinusoidal":  # no parameters; its own dropout unused (p=0): ours follows the sum
