@@ -1,13 +1,14 @@
 """The doors of the GPT, ViT and Swin modules, with their reprs and `attention_weights`, once for both tracks (as
 `tfm_common.doors` holds the 2017 model's): the track supplies `_check_float` (its check_input), `_check_ids` (its
 check_indices) and, for WindowAttention, the mask's `_mask_kind` = (array type, bool dtype, word). The attention
-weights are the last forward's (detached in tfm_torch). The constructors of Swin, SwinBlock and PatchMerging are
-written here once too, from the track's building blocks `_parts` (as `tfm_common.doors`' layers are).
+weights are the last forward's (detached in tfm_torch). The constructors of the GPT, Swin, SwinBlock and
+PatchMerging are written here once too, from the track's building blocks `_parts` (as `tfm_common.doors`' layers
+are).
 """
 
 from __future__ import annotations
 
-from .config import SWIN_ARGS, check_swin_config, check_window_grid, swin_shift
+from .config import GPT_ARGS, SWIN_ARGS, check_gpt_config, check_swin_config, check_window_grid, swin_shift
 from .sampling import check_generate, check_token_window
 from .validate import check_size
 
@@ -29,6 +30,58 @@ class GPTBlockDoor:
 
 class GPTDoor:
     """Token ids in the vocabulary that fit the context window after the cached positions; generate's arguments."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        d_model: int,
+        n_heads: int,
+        d_ff: int,
+        n_layers: int,
+        max_len: int,
+        dropout: float = 0.0,
+        *,
+        norm: str = "layernorm",
+        positional: str = "learned",
+        activation: str = "gelu",
+        n_kv_heads: int | None = None,
+        tie_output: bool = True,
+        attn_impl: str = "explicit",
+        tile_size: int = 64,
+        rng=None,
+        dtype=None,
+    ):
+        """embed, pos (None for rope), dropout, layers (n_layers GPTBlocks, sharing one RotaryEmbedding for rope),
+        norm and output_projection, registered in that order, then initialized as GPT's docstring says."""
+        super().__init__()
+        self.config = c = check_gpt_config("GPT", {k: v for k, v in locals().items() if k in GPT_ARGS})
+        parts = self._parts
+        attn_impl, tile_size = parts.check_attn_impl("GPT", attn_impl, tile_size)  # refused before anything is built
+        self.vocab_size, self.d_model, self.max_len = c["vocab_size"], c["d_model"], c["max_len"]
+        dt, rng = parts.check_dtype(dtype), parts.as_rng(rng)
+        self.embed = parts.Embedding(self.vocab_size, self.d_model, rng=rng, dtype=dt)
+        parts.scale_(self.embed.weight, self.d_model**-0.5)  # N(0, 1) -> N(0, 1/d_model)
+        if positional == "learned":
+            self.pos = parts.LearnedPositionalEmbedding(self.max_len, self.d_model, rng=rng, dtype=dt)
+        elif positional == "sinusoidal":
+            self.pos = parts.PositionalEncoding(self.d_model, self.max_len, dtype=dt)
+        else:
+            self.pos = None  # rope: the positions live in the attention
+        self.dropout = parts.Dropout(c["dropout"], rng=rng)
+        rotary = parts.RotaryEmbedding(d_model // n_heads, self.max_len, dtype=dt) if positional == "rope" else None
+        block = dict(norm=norm, activation=activation, n_kv_heads=c["n_kv_heads"], rotary=rotary, rng=rng, dtype=dt)
+        blocks = (parts.GPTBlock(d_model, n_heads, d_ff, c["dropout"], **block) for _ in range(n_layers))
+        self.layers = parts.ModuleList(blocks)
+        self.norm = parts.make_norm(norm, d_model, dt)
+        self.output_projection = parts.Linear(d_model, self.vocab_size, bias=False, rng=rng, dtype=dt)  # (V, d)
+        if c["tie_output"]:
+            self.output_projection.weight = self.embed.weight  # one Parameter: logits = h @ E^T
+        else:
+            parts.xavier_uniform_(self.output_projection.weight, rng)
+        for _, p in self.layers.named_parameters():
+            if p.data.ndim == 2:
+                parts.xavier_uniform_(p, rng)
+        parts.use_attention(self, attn_impl, tile_size)  # how every block computes its heads (not a weight)
 
     def _check_forward(self, tokens) -> None:
         self._check_tokens(tokens, 0)

@@ -41,6 +41,12 @@ def xavier_uniform_(p: Parameter, rng=None) -> Parameter:
     return p
 
 
+def scale_(p: Parameter, factor: float) -> Parameter:
+    """In place: p times `factor`, a scalar of p's dtype (an initialization rescaled, as torch's `p.mul_`)."""
+    p.data *= p.data.dtype.type(factor)
+    return p
+
+
 class Transformer(TransformerDoor, Module):
     """The encoder-decoder Transformer. `model(src, tgt_in)` -> logits (B, T, tgt_vocab_size).
 

@@ -36,6 +36,12 @@ def xavier_uniform_(p: torch.Tensor, rng=None) -> torch.Tensor:
     return p.uniform_(-a, a, generator=as_generator(rng))
 
 
+@torch.no_grad()
+def scale_(p: torch.Tensor, factor: float) -> torch.Tensor:
+    """In place, outside autograd: p times `factor` (an initialization rescaled, as tfm_numpy's)."""
+    return p.mul_(factor)
+
+
 class Transformer(TransformerDoor, Module):
     """The encoder-decoder Transformer, twin of tfm_numpy.Transformer (see its docstring for the options, the
     weight sharing and the initialization). `model(src, tgt_in)` -> logits (B, T, tgt_vocab_size).
