@@ -21,10 +21,10 @@ from .attention import check_attn_impl, use_attention
 from .layers import Dropout, Embedding, LayerNorm, Linear
 from .masks import causal_mask
 from .modern import GroupedQueryAttention, RMSNorm, RotaryEmbedding, SwiGLUFeedForward, swiglu_hidden_size
-from .module import Module, ModuleList, as_rng, check_dtype, check_indices
+from .module import Module, ModuleList, as_rng, check_dtype, check_indices, scale_
 from .positional import LearnedPositionalEmbedding, PositionalEncoding
 from .sublayers import PositionwiseFeedForward
-from .transformer import scale_, xavier_uniform_
+from .transformer import xavier_uniform_
 
 __all__ = ["GPTBlock", "GPT"]
 

@@ -23,7 +23,7 @@ from .encoder_decoder import Decoder, Encoder
 from .kv_cache import cache_append
 from .layers import Dropout, Embedding, LayerNorm, Linear
 from .masks import causal_mask, check_mask, decoder_mask, padding_mask
-from .module import Module, Parameter, as_rng, check_dtype, check_grad, check_indices, check_input
+from .module import Module, Parameter, as_rng, check_dtype, check_grad, check_indices, check_input, scale_
 from .positional import LearnedPositionalEmbedding, PositionalEncoding
 
 __all__ = ["xavier_uniform_", "Transformer"]
@@ -38,12 +38,6 @@ def xavier_uniform_(p: Parameter, rng=None) -> Parameter:
     fan_out, fan_in = p.shape
     a = math.sqrt(6.0 / (fan_in + fan_out))
     p.data[...] = as_rng(rng).uniform(-a, a, p.shape)  # drawn in float64, stored in p's dtype
-    return p
-
-
-def scale_(p: Parameter, factor: float) -> Parameter:
-    """In place: p times `factor`, a scalar of p's dtype (an initialization rescaled, as torch's `p.mul_`)."""
-    p.data *= p.data.dtype.type(factor)
     return p
 
 

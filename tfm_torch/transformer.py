@@ -19,7 +19,7 @@ from .encoder_decoder import Decoder, Encoder
 from .kv_cache import cache_append
 from .layers import Dropout, Embedding, LayerNorm, Linear
 from .masks import causal_mask, check_mask, decoder_mask, padding_mask
-from .module import Module, as_generator, check_dtype, check_indices, check_input
+from .module import Module, as_generator, check_dtype, check_indices, check_input, scale_
 from .positional import LearnedPositionalEmbedding, PositionalEncoding
 
 __all__ = ["xavier_uniform_", "Transformer"]
@@ -34,12 +34,6 @@ def xavier_uniform_(p: torch.Tensor, rng=None) -> torch.Tensor:
     fan_out, fan_in = p.shape
     a = math.sqrt(6.0 / (fan_in + fan_out))
     return p.uniform_(-a, a, generator=as_generator(rng))
-
-
-@torch.no_grad()
-def scale_(p: torch.Tensor, factor: float) -> torch.Tensor:
-    """In place, outside autograd: p times `factor` (an initialization rescaled, as tfm_numpy's)."""
-    return p.mul_(factor)
 
 
 class Transformer(TransformerDoor, Module):
