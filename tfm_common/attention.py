@@ -1,14 +1,20 @@
 """What the attention of both tracks shares: the rules of MultiHeadAttention's and GroupedQueryAttention's arguments,
-their doors, use_attention's loop, the attn_impl option's repr, and the flash kernels' tiles.
+their doors and constructors, use_attention's loop, the attn_impl option's repr, and the flash kernels' tiles.
 
 The doors (as tfm_common.doors's) check a call from outside the library before anything is projected, cached or
 stored, so that a refused call changes nothing (a backward after it still differentiates the last good forward). The
 track supplies its array checks as static methods: `_check_float` (its check_input) and `_check_mask`.
+
+The two attentions' constructors are written here once too, from the track's building blocks `_parts`
+(`check_dtype`, `as_rng`, `check_attn_impl`, `Linear`, `Dropout` and, for GroupedQueryAttention, `RotaryEmbedding`).
 """
 
 from __future__ import annotations
 
-from .validate import check_size, check_sizes
+import math
+
+from .pitfalls import SCORE_SCALES
+from .validate import check_choice, check_size, check_sizes
 
 __all__ = ["check_heads", "check_kv_heads", "check_rotary", "refuse_flash_dropout", "cached_positions",
            "MultiHeadAttentionDoor", "GroupedQueryAttentionDoor", "switch_attention", "attn_impl_repr", "tiles",
@@ -84,6 +90,34 @@ class AttentionDoor:
 
 
 class MultiHeadAttentionDoor(AttentionDoor):
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        dropout: float = 0.0,
+        bias: bool = True,
+        *,
+        attn_impl: str = "explicit",
+        tile_size: int = 64,
+        score_scale: str = "d_k",
+        rng=None,
+        dtype=None,
+    ):
+        """q_proj, k_proj, v_proj (the class's `_make_projections`), out_proj, and `dropout` on the attention
+        weights, registered in that order."""
+        super().__init__()
+        owner, parts = type(self).__name__, self._parts
+        self.d_model, self.n_heads, self.d_head = check_heads(owner, d_model, n_heads)
+        self.attn_impl, self.tile_size = parts.check_attn_impl(owner, attn_impl, tile_size)
+        self.score_scale = check_choice(owner, "score_scale", score_scale, SCORE_SCALES)
+        # 1/sqrt(H) on the queries turns the 1/sqrt(dk) of the attention into 1/sqrt(d_model); None: the paper's
+        self.q_scale = None if score_scale == "d_k" else 1.0 / math.sqrt(n_heads)
+        dt, g = parts.check_dtype(dtype), parts.as_rng(rng)
+        self._make_projections(d_model, bias, g, dt)
+        self.out_proj = parts.Linear(d_model, d_model, bias, rng=g, dtype=dt)
+        self.dropout = parts.Dropout(dropout, rng=g)  # on the attention weights, in training only
+        self.attn_weights = None
+
     def _check_forward(self, query, key, value, mask=None) -> None:
         self._check_inputs("MultiHeadAttention", {"query": query, "key": key, "value": value})
         self._check_call("MultiHeadAttention", query.shape[0], query.shape[1], key.shape[1], mask)
@@ -94,8 +128,44 @@ class MultiHeadAttentionDoor(AttentionDoor):
         keys = cached if static and "k" in cache else cached + key.shape[1]
         self._check_call("MultiHeadAttention", query.shape[0], query.shape[1], keys, mask)
 
+    def extra_repr(self) -> str:
+        scale = ", score_scale='d_model'" if self.score_scale == "d_model" else ""
+        return f"d_model={self.d_model}, n_heads={self.n_heads}{attn_impl_repr(self)}{scale}"
+
 
 class GroupedQueryAttentionDoor(AttentionDoor):
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        n_kv_heads: int | None = None,
+        dropout: float = 0.0,
+        bias: bool = True,
+        *,
+        rotary=None,
+        attn_impl: str = "explicit",
+        tile_size: int = 64,
+        rng=None,
+        dtype=None,
+    ):
+        """q_proj (d_model -> d_model), k_proj and v_proj (d_model -> n_kv_heads d_head), out_proj, `dropout` on the
+        attention weights, and `rotary` (None, or a RotaryEmbedding for d_head), registered in that order."""
+        super().__init__()
+        owner, parts = "GroupedQueryAttention", self._parts
+        self.d_model, self.n_heads, self.d_head = check_heads(owner, d_model, n_heads)
+        self.n_kv_heads = check_kv_heads(owner, n_heads, n_kv_heads)
+        check_rotary(owner, rotary, self.d_head, parts.RotaryEmbedding)
+        dt, g = parts.check_dtype(dtype), parts.as_rng(rng)
+        d_kv = self.n_kv_heads * self.d_head
+        self.q_proj = parts.Linear(d_model, d_model, bias, rng=g, dtype=dt)
+        self.k_proj = parts.Linear(d_model, d_kv, bias, rng=g, dtype=dt)
+        self.v_proj = parts.Linear(d_model, d_kv, bias, rng=g, dtype=dt)
+        self.out_proj = parts.Linear(d_model, d_model, bias, rng=g, dtype=dt)
+        self.dropout = parts.Dropout(dropout, rng=g)
+        self.rotary = rotary
+        self.attn_impl, self.tile_size = parts.check_attn_impl(owner, attn_impl, tile_size)
+        self.attn_weights = None
+
     def _check_forward(self, x, mask=None, offset=0) -> None:
         self._check_inputs("GroupedQueryAttention", {"x": x}, ndim_min=3)
         self._check_call("GroupedQueryAttention", x.shape[0], x.shape[1], x.shape[1], mask)
@@ -104,6 +174,12 @@ class GroupedQueryAttentionDoor(AttentionDoor):
         self._check_inputs("GroupedQueryAttention", {"x": x}, ndim_min=3)
         keys = cached_positions("GroupedQueryAttention", cache, x.shape[0]) + x.shape[1]  # and the new ones
         self._check_call("GroupedQueryAttention", x.shape[0], x.shape[1], keys, mask)
+
+    def extra_repr(self) -> str:
+        rope = ", rotary" if self.rotary is not None else ""
+        return (
+            f"d_model={self.d_model}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}{rope}{attn_impl_repr(self)}"
+        )
 
 
 def switch_attention(model, modules, attn_impl: str, tile_size: int):

@@ -9,17 +9,20 @@ track supplies its array checks as static methods: `_check_float` (its check_inp
 check) and, for the Transformer, `_check_ids` (its check_indices). Shapes are read through `.shape`, which arrays
 and tensors share.
 
-The layers' and stacks' constructors are written here once too: the track supplies its building blocks as `_parts`
-(`check_dtype`, `as_rng`, `make_attention`, `PositionwiseFeedForward`, `LayerNorm`, `Dropout`, `ModuleList`), and
-`own_init` gives each class its own copy with the track's default dtype.
+The layers', stacks' and Transformer's constructors are written here once too: the track supplies its building blocks
+as `_parts` (`check_dtype`, `as_rng`, `make_attention`, `PositionwiseFeedForward`, `LayerNorm`, `Dropout`,
+`ModuleList`; for the Transformer its embeddings, stacks and initializers), and `own_init` gives each class its own
+copy with the track's default dtype.
 """
 
 from __future__ import annotations
 
+import math
+
 from .attention import cached_positions
-from .config import FF_ACTIVATIONS
+from .config import FF_ACTIVATIONS, transformer_options
 from .pitfalls import check_layer_pitfalls
-from .validate import check_choice, check_decode_cache, check_flag, check_sizes
+from .validate import check_choice, check_decode_cache, check_flag, check_size, check_sizes
 
 __all__ = ["LayerDoor", "EncoderLayerDoor", "DecoderLayerDoor", "StackDoor", "TransformerDoor"]
 
@@ -154,6 +157,89 @@ class StackDoor:
 class TransformerDoor:
     """The Transformer's entry points: token ids, memory and the source mask, checked before anything changes (a
     refused decode_step leaves the cache as it was, and the search can go on)."""
+
+    def __init__(
+        self,
+        src_vocab_size: int,
+        tgt_vocab_size: int,
+        d_model: int = 512,
+        n_heads: int = 8,
+        d_ff: int = 2048,
+        n_layers: int = 6,
+        dropout: float = 0.1,
+        max_len: int = 1024,
+        norm_first: bool = False,
+        positional: str = "sinusoidal",
+        share_embeddings: bool = False,
+        tie_output: bool = True,
+        pad_id: int = 0,
+        activation: str = "relu",
+        final_norm: bool | None = None,
+        *,
+        attn_impl: str = "explicit",
+        tile_size: int = 64,
+        score_scale: str = "d_k",
+        head_projection: str = "full",
+        dropout_place: str = "sublayer",
+        ff_dropout: bool = True,
+        embed_scale: str = "embedding",
+        embed_norm: bool = False,
+        tgt_padding_mask: bool = True,
+        rng=None,
+        dtype=None,
+    ):
+        """src_embed, tgt_embed (one Parameter with share_embeddings), src_pos, tgt_pos, src_dropout, tgt_dropout,
+        src_embed_norm, tgt_embed_norm, encoder, decoder and output_projection, registered in that order, then
+        initialized as the Transformer's docstring (tfm_numpy.Transformer) says."""
+        args = locals()  # the constructor's arguments, as a dict
+        super().__init__()
+        # the checked arguments, sizes as Python ints (JSON-able: checkpoints record them), and the pitfall options
+        self.config, opts, layer_opts = transformer_options("Transformer", args)
+        c, parts = self.config, self._parts
+        embed_scale, self.tgt_padding_mask = opts["embed_scale"], opts["tgt_padding_mask"]
+        self._in_scale = math.sqrt(c["d_model"]) if embed_scale == "embedding" else None  # times the embeddings
+        self._out_scale = c["d_model"] ** -0.5 if embed_scale == "logits" else None  # times the logits
+        d_model, n_heads, d_ff, n_layers, max_len, pad_id = (c[k] for k in ("d_model", "n_heads", "d_ff", "n_layers",
+                                                                            "max_len", "pad_id"))  # fmt: skip
+        src_vocab_size, tgt_vocab_size = c["src_vocab_size"], c["tgt_vocab_size"]
+        attn_impl, tile_size = parts.check_attn_impl(
+            "Transformer", attn_impl, check_size("Transformer", "tile_size", tile_size)
+        )
+        self.d_model, self.max_len, self.pad_id = d_model, max_len, pad_id
+        self.src_vocab_size, self.tgt_vocab_size = src_vocab_size, tgt_vocab_size
+        dt, rng = parts.check_dtype(dtype), parts.as_rng(rng)
+        stack = (n_layers, d_model, n_heads, d_ff, dropout, activation, norm_first, final_norm)
+
+        self.src_embed = parts.Embedding(src_vocab_size, d_model, padding_idx=pad_id, rng=rng, dtype=dt)
+        self.tgt_embed = parts.Embedding(tgt_vocab_size, d_model, padding_idx=pad_id, rng=rng, dtype=dt)
+        for emb in (self.src_embed, self.tgt_embed):
+            if embed_scale != "none":  # "none" keeps N(0, 1), torch.nn.Embedding's default
+                parts.scale_(emb.weight, d_model**-0.5)  # N(0, 1) -> N(0, 1/d_model); the padding row stays 0
+        if share_embeddings:
+            self.tgt_embed.weight = self.src_embed.weight  # one Parameter, two lookups
+        self.src_pos = self._make_positional(positional, rng, dt)
+        self.tgt_pos = self._make_positional(positional, rng, dt)
+        self.src_dropout = parts.Dropout(dropout, rng=rng)
+        self.tgt_dropout = parts.Dropout(dropout, rng=rng)
+        self.src_embed_norm = parts.LayerNorm(d_model, dtype=dt) if opts["embed_norm"] else None  # after the dropout
+        self.tgt_embed_norm = parts.LayerNorm(d_model, dtype=dt) if opts["embed_norm"] else None
+        self.encoder = parts.Encoder(*stack, rng=rng, dtype=dt, **layer_opts)
+        self.decoder = parts.Decoder(*stack, rng=rng, dtype=dt, **layer_opts)
+        self.output_projection = parts.Linear(d_model, tgt_vocab_size, bias=False, rng=rng, dtype=dt)  # (V, d)
+        if tie_output:
+            self.output_projection.weight = self.tgt_embed.weight  # (V, d) both: logits = y @ E^T
+        else:
+            parts.xavier_uniform_(self.output_projection.weight, rng)
+        for _, p in [*self.encoder.named_parameters(), *self.decoder.named_parameters()]:
+            if p.data.ndim == 2:
+                parts.xavier_uniform_(p, rng)
+        parts.use_attention(self, attn_impl, tile_size)  # how every attention computes its heads (not a weight)
+
+    def _make_positional(self, positional: str, rng, dt):
+        parts = self._parts
+        if positional == "sinusoidal":  # no parameters; its own dropout unused (p=0): ours follows the sum
+            return parts.PositionalEncoding(self.d_model, self.max_len, dropout=0.0, dtype=dt)
+        return parts.LearnedPositionalEmbedding(self.max_len, self.d_model, rng=rng, dtype=dt)
 
     def _check_tokens(self, arg: str, tokens, vocab_size: int) -> None:
         self._check_ids(f"Transformer: {arg}", tokens, vocab_size)

@@ -1,13 +1,24 @@
 """The doors of the GPT, ViT and Swin modules, with their reprs and `attention_weights`, once for both tracks (as
 `tfm_common.doors` holds the 2017 model's): the track supplies `_check_float` (its check_input), `_check_ids` (its
 check_indices) and, for WindowAttention, the mask's `_mask_kind` = (array type, bool dtype, word). The attention
-weights are the last forward's (detached in tfm_torch). The constructors of Swin, SwinBlock and PatchMerging are
-written here once too, from the track's building blocks `_parts` (as `tfm_common.doors`' layers are).
+weights are the last forward's (detached in tfm_torch). The constructors of the GPT, PatchEmbedding, ViT, Swin,
+WindowAttention, SwinBlock and PatchMerging are written here once too, from the track's building blocks `_parts` (as
+`tfm_common.doors`' layers are).
 """
 
 from __future__ import annotations
 
-from .config import SWIN_ARGS, check_swin_config, check_window_grid, swin_shift
+from .config import (
+    GPT_ARGS,
+    SWIN_ARGS,
+    VIT_ARGS,
+    check_gpt_config,
+    check_patch_embedding,
+    check_swin_config,
+    check_vit_config,
+    check_window_grid,
+    swin_shift,
+)
 from .sampling import check_generate, check_token_window
 from .validate import check_size
 
@@ -29,6 +40,58 @@ class GPTBlockDoor:
 
 class GPTDoor:
     """Token ids in the vocabulary that fit the context window after the cached positions; generate's arguments."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        d_model: int,
+        n_heads: int,
+        d_ff: int,
+        n_layers: int,
+        max_len: int,
+        dropout: float = 0.0,
+        *,
+        norm: str = "layernorm",
+        positional: str = "learned",
+        activation: str = "gelu",
+        n_kv_heads: int | None = None,
+        tie_output: bool = True,
+        attn_impl: str = "explicit",
+        tile_size: int = 64,
+        rng=None,
+        dtype=None,
+    ):
+        """embed, pos (None for rope), dropout, layers (n_layers GPTBlocks, sharing one RotaryEmbedding for rope),
+        norm and output_projection, registered in that order, then initialized as GPT's docstring says."""
+        super().__init__()
+        self.config = c = check_gpt_config("GPT", {k: v for k, v in locals().items() if k in GPT_ARGS})
+        parts = self._parts
+        attn_impl, tile_size = parts.check_attn_impl("GPT", attn_impl, tile_size)  # refused before anything is built
+        self.vocab_size, self.d_model, self.max_len = c["vocab_size"], c["d_model"], c["max_len"]
+        dt, rng = parts.check_dtype(dtype), parts.as_rng(rng)
+        self.embed = parts.Embedding(self.vocab_size, self.d_model, rng=rng, dtype=dt)
+        parts.scale_(self.embed.weight, self.d_model**-0.5)  # N(0, 1) -> N(0, 1/d_model)
+        if positional == "learned":
+            self.pos = parts.LearnedPositionalEmbedding(self.max_len, self.d_model, rng=rng, dtype=dt)
+        elif positional == "sinusoidal":
+            self.pos = parts.PositionalEncoding(self.d_model, self.max_len, dtype=dt)
+        else:
+            self.pos = None  # rope: the positions live in the attention
+        self.dropout = parts.Dropout(c["dropout"], rng=rng)
+        rotary = parts.RotaryEmbedding(d_model // n_heads, self.max_len, dtype=dt) if positional == "rope" else None
+        block = dict(norm=norm, activation=activation, n_kv_heads=c["n_kv_heads"], rotary=rotary, rng=rng, dtype=dt)
+        blocks = (parts.GPTBlock(d_model, n_heads, d_ff, c["dropout"], **block) for _ in range(n_layers))
+        self.layers = parts.ModuleList(blocks)
+        self.norm = parts.make_norm(norm, d_model, dt)
+        self.output_projection = parts.Linear(d_model, self.vocab_size, bias=False, rng=rng, dtype=dt)  # (V, d)
+        if c["tie_output"]:
+            self.output_projection.weight = self.embed.weight  # one Parameter: logits = h @ E^T
+        else:
+            parts.xavier_uniform_(self.output_projection.weight, rng)
+        for _, p in self.layers.named_parameters():
+            if p.data.ndim == 2:
+                parts.xavier_uniform_(p, rng)
+        parts.use_attention(self, attn_impl, tile_size)  # how every block computes its heads (not a weight)
 
     def _check_forward(self, tokens) -> None:
         self._check_tokens(tokens, 0)
@@ -58,6 +121,16 @@ class GPTDoor:
 class PatchEmbeddingDoor:
     """Images (B, C, S, S) of the parameters' dtype (the door of ViT and Swin too, which hand them straight here)."""
 
+    def __init__(self, image_size: int, patch_size: int, in_channels: int, d_model: int, *, rng=None, dtype=None):
+        """proj: one Linear (C p p -> d_model) on the flattened patches."""
+        super().__init__()
+        check_patch_embedding("PatchEmbedding", image_size, patch_size, in_channels, d_model)
+        self.image_size, self.patch_size, self.in_channels, self.d_model = image_size, patch_size, in_channels, d_model
+        self.grid = image_size // patch_size
+        self.n_patches = self.grid * self.grid
+        n_in, parts = in_channels * patch_size * patch_size, self._parts
+        self.proj = parts.Linear(n_in, d_model, rng=parts.as_rng(rng), dtype=parts.check_dtype(dtype))
+
     def _check_forward(self, images) -> None:
         self._check_float("PatchEmbedding", images, ndim_min=4, dtype=self.proj.weight.dtype)
         C, S = self.in_channels, self.image_size
@@ -76,6 +149,39 @@ class ImageModelDoor:
 
 
 class ViTDoor(ImageModelDoor):
+    def __init__(
+        self,
+        image_size: int,
+        patch_size: int,
+        in_channels: int,
+        n_classes: int,
+        d_model: int,
+        n_heads: int,
+        d_ff: int,
+        n_layers: int,
+        dropout: float = 0.0,
+        *,
+        pool: str = "cls",
+        rng=None,
+        dtype=None,
+    ):
+        """patch_embed, cls_token (pool="cls" only), pos_embed, dropout, encoder (Pre-LN, GELU, final norm) and head,
+        registered in that order; the class token and the positions start N(0, 0.02^2)."""
+        super().__init__()
+        self.config = check_vit_config("ViT", {k: v for k, v in locals().items() if k in VIT_ARGS})
+        parts = self._parts
+        dt, rng = parts.check_dtype(dtype), parts.as_rng(rng)
+        self.pool, self.d_model = pool, d_model
+        self.patch_embed = parts.PatchEmbedding(image_size, patch_size, in_channels, d_model, rng=rng, dtype=dt)
+        n_tokens = self.patch_embed.n_patches + (pool == "cls")
+        self.cls_token = parts.normal_parameter((1, 1, d_model), 0.02, rng, dt) if pool == "cls" else None
+        self.pos_embed = parts.LearnedPositionalEmbedding(n_tokens, d_model, rng=rng, dtype=dt)
+        parts.scale_(self.pos_embed.weight, 0.02)  # N(0, 1) -> N(0, 0.02^2)
+        self.dropout = parts.Dropout(dropout, rng=rng)
+        layers = (n_layers, d_model, n_heads, d_ff, dropout, "gelu")
+        self.encoder = parts.Encoder(*layers, norm_first=True, rng=rng, dtype=dt)
+        self.head = parts.Linear(d_model, n_classes, rng=rng, dtype=dt)
+
     def attention_weights(self) -> list:
         """[(B, H, T, T) per layer] from the last forward; with pool="cls", token 0 is the class token."""
         return self.encoder.attention_weights()
@@ -126,6 +232,27 @@ class SwinDoor(ImageModelDoor):
 
 
 class WindowAttentionDoor:
+    def __init__(self, d_model: int, n_heads: int, window_size: int, dropout: float = 0.0, *, rng=None, dtype=None):
+        """q_proj, k_proj, v_proj, out_proj, relative_position_bias_table ((2M-1)^2, n_heads), N(0, 0.02^2), the
+        constant `index` (not a state_dict key) and `dropout` on the attention weights, registered in that order."""
+        super().__init__()
+        check_size("WindowAttention", "d_model", d_model)
+        check_size("WindowAttention", "n_heads", n_heads)
+        M = check_size("WindowAttention", "window_size", window_size)
+        if d_model % n_heads:
+            raise ValueError(f"WindowAttention: d_model={d_model} must be divisible by n_heads={n_heads}")
+        self.d_model, self.n_heads, self.d_head, self.window_size = d_model, n_heads, d_model // n_heads, M
+        parts = self._parts
+        dt, rng = parts.check_dtype(dtype), parts.as_rng(rng)
+        self.q_proj = parts.Linear(d_model, d_model, rng=rng, dtype=dt)
+        self.k_proj = parts.Linear(d_model, d_model, rng=rng, dtype=dt)
+        self.v_proj = parts.Linear(d_model, d_model, rng=rng, dtype=dt)
+        self.out_proj = parts.Linear(d_model, d_model, rng=rng, dtype=dt)
+        self.relative_position_bias_table = parts.normal_parameter(((2 * M - 1) ** 2, n_heads), 0.02, rng, dt)
+        parts.keep_constant(self, "index", parts.relative_position_index(M))  # (M M, M M)
+        self.dropout = parts.Dropout(dropout, rng=rng)  # on the attention weights
+        self.attn_weights = None
+
     def _check_forward(self, x, mask=None) -> None:
         """x (B nW, M M, d_model); mask None or a bool (nW, M M, M M) whose nW divides B nW."""
         N, (array, boolean, word) = self.window_size**2, self._mask_kind
@@ -173,7 +300,7 @@ class SwinBlockDoor(GridDoor):
         self.dropout1 = parts.Dropout(dropout, rng=rng)
         self.dropout2 = parts.Dropout(dropout, rng=rng)
         mask = parts.shifted_window_mask(H, W, window_size, shift) if shift else None  # (nW, M M, M M)
-        parts.keep_mask(self, "mask", mask)  # built once, at construction (tfm_torch: a buffer, not saved)
+        parts.keep_constant(self, "mask", mask)  # built once, at construction (tfm_torch: a buffer, not saved)
 
     def extra_repr(self) -> str:
         return f"resolution={self.resolution}, window_size={self.window_size}, shift={self.shift}"

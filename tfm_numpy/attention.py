@@ -8,17 +8,13 @@ attend, broadcasting to the scores `(B, H, Tq, Tk)`) are made and checked in `ma
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 from typing import NamedTuple
 
 import numpy as np
 
-from tfm_common.attention import (
-    MultiHeadAttentionDoor,
-    attn_impl_repr,
-    check_heads,
-    refuse_flash_dropout,
-    switch_attention,
-)
+from tfm_common.attention import MultiHeadAttentionDoor, refuse_flash_dropout, switch_attention
+from tfm_common.config import own_init
 from tfm_common.pitfalls import HEAD_PROJECTIONS, SCORE_SCALES
 from tfm_common.validate import check_choice, check_size
 
@@ -45,6 +41,14 @@ __all__ = [
 ]
 
 ATTN_IMPLS = ("explicit", "flash")
+
+
+def check_attn_impl(owner: str, attn_impl, tile_size) -> tuple[str, int]:
+    """The attn_impl option: "explicit" (weights formed, kept for inspection) or "flash" (tiled), and its tile."""
+    if attn_impl == "sdpa":  # the torch track's third choice, named so that the refusal says where it lives
+        raise ValueError(f"{owner}: attn_impl='sdpa' (torch.nn.functional.scaled_dot_product_attention) exists in "
+                         f"tfm_torch only; tfm_numpy has attn_impl in {ATTN_IMPLS}")  # fmt: skip
+    return check_choice(owner, "attn_impl", attn_impl, ATTN_IMPLS), check_size(owner, "tile_size", tile_size)
 
 
 # -- scaled dot-product attention ----------------------------------------------------------------------------
@@ -208,32 +212,9 @@ class MultiHeadAttention(AttentionImpl, MultiHeadAttentionDoor, Module):
     """
 
     _check_float, _check_mask = staticmethod(check_input), staticmethod(check_mask)  # the door's checks
-
-    def __init__(
-        self,
-        d_model: int,
-        n_heads: int,
-        dropout: float = 0.0,
-        bias: bool = True,
-        *,
-        attn_impl: str = "explicit",
-        tile_size: int = 64,
-        score_scale: str = "d_k",
-        rng=None,
-        dtype=np.float32,
-    ):
-        super().__init__()
-        owner = type(self).__name__
-        self.d_model, self.n_heads, self.d_head = check_heads(owner, d_model, n_heads)
-        self.attn_impl, self.tile_size = check_attn_impl(owner, attn_impl, tile_size)
-        self.score_scale = check_choice(owner, "score_scale", score_scale, SCORE_SCALES)
-        # 1/sqrt(H) on the queries turns the 1/sqrt(dk) of the attention into 1/sqrt(d_model); None: the paper's
-        self.q_scale = None if score_scale == "d_k" else 1.0 / math.sqrt(n_heads)
-        dt, g = check_dtype(dtype), as_rng(rng)
-        self._make_projections(d_model, bias, g, dt)
-        self.out_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
-        self.dropout = Dropout(dropout, rng=g)  # on the attention weights, in training only
-        self.attn_weights: np.ndarray | None = None
+    # the building blocks of the constructor written in tfm_common.attention (MultiHeadAttentionDoor.__init__)
+    _parts = SimpleNamespace(check_dtype=check_dtype, as_rng=as_rng, check_attn_impl=check_attn_impl, Linear=Linear,
+                             Dropout=Dropout)  # fmt: skip
 
     def _make_projections(self, d_model: int, bias: bool, g, dt) -> None:
         """The query, key and value projections: each (d_model -> d_model), every head its own d_k columns."""
@@ -297,9 +278,9 @@ class MultiHeadAttention(AttentionImpl, MultiHeadAttentionDoor, Module):
         self._cache = None  # nothing for a backward: one after this step is an error, not a wrong gradient
         return self.out_proj(self._merge(ctx))  # (B, Tn, d)
 
-    def extra_repr(self) -> str:
-        scale = ", score_scale='d_model'" if self.score_scale == "d_model" else ""
-        return f"d_model={self.d_model}, n_heads={self.n_heads}{attn_impl_repr(self)}{scale}"
+
+# a wrong argument is refused in the name of MultiHeadAttention, not of its door
+own_init(MultiHeadAttention, dtype=np.float32)  # tfm_numpy's default dtype; SharedHeadProjectionAttention inherits it
 
 
 class ScaledLinear(Linear):
@@ -366,14 +347,6 @@ def make_attention(head_projection: str, d_model: int, n_heads: int, dropout: fl
     head_projection = check_choice("make_attention", "head_projection", head_projection, HEAD_PROJECTIONS)
     cls = MultiHeadAttention if head_projection == "full" else SharedHeadProjectionAttention
     return cls(d_model, n_heads, dropout, **kwargs)
-
-
-def check_attn_impl(owner: str, attn_impl, tile_size) -> tuple[str, int]:
-    """The attn_impl option: "explicit" (weights formed, kept for inspection) or "flash" (tiled), and its tile."""
-    if attn_impl == "sdpa":  # the torch track's third choice, named so that the refusal says where it lives
-        raise ValueError(f"{owner}: attn_impl='sdpa' (torch.nn.functional.scaled_dot_product_attention) exists in "
-                         f"tfm_torch only; tfm_numpy has attn_impl in {ATTN_IMPLS}")  # fmt: skip
-    return check_choice(owner, "attn_impl", attn_impl, ATTN_IMPLS), check_size(owner, "tile_size", tile_size)
 
 
 def use_attention(model, attn_impl: str = "explicit", tile_size: int = 64):

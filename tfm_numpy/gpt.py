@@ -8,10 +8,11 @@ t + 1 from tokens 0 .. t: a causal mask (1, 1, T, T), no padding (training windo
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 
-from tfm_common.config import GPT_ARGS, check_gpt_config
+from tfm_common.config import own_init
 from tfm_common.model_doors import GPTBlockDoor, GPTDoor
 from tfm_common.sampling import sample_next
 from tfm_common.training import eval_mode
@@ -20,7 +21,7 @@ from .attention import check_attn_impl, use_attention
 from .layers import Dropout, Embedding, LayerNorm, Linear
 from .masks import causal_mask
 from .modern import GroupedQueryAttention, RMSNorm, RotaryEmbedding, SwiGLUFeedForward, swiglu_hidden_size
-from .module import Module, ModuleList, as_rng, check_dtype, check_indices
+from .module import Module, ModuleList, as_rng, check_dtype, check_indices, scale_
 from .positional import LearnedPositionalEmbedding, PositionalEncoding
 from .sublayers import PositionwiseFeedForward
 from .transformer import xavier_uniform_
@@ -113,54 +114,6 @@ class GPT(GPTDoor, Module):
 
     _check_ids = staticmethod(check_indices)  # see tfm_common.model_doors
 
-    def __init__(
-        self,
-        vocab_size: int,
-        d_model: int,
-        n_heads: int,
-        d_ff: int,
-        n_layers: int,
-        max_len: int,
-        dropout: float = 0.0,
-        *,
-        norm: str = "layernorm",
-        positional: str = "learned",
-        activation: str = "gelu",
-        n_kv_heads: int | None = None,
-        tie_output: bool = True,
-        attn_impl: str = "explicit",
-        tile_size: int = 64,
-        rng=None,
-        dtype=np.float32,
-    ):
-        super().__init__()
-        self.config = c = check_gpt_config("GPT", {k: v for k, v in locals().items() if k in GPT_ARGS})
-        attn_impl, tile_size = check_attn_impl("GPT", attn_impl, tile_size)  # refused before anything is built
-        self.vocab_size, self.d_model, self.max_len = c["vocab_size"], c["d_model"], c["max_len"]
-        dt, rng = check_dtype(dtype), as_rng(rng)
-        self.embed = Embedding(self.vocab_size, self.d_model, rng=rng, dtype=dt)
-        self.embed.weight.data *= dt.type(self.d_model**-0.5)  # N(0, 1) -> N(0, 1/d_model)
-        if positional == "learned":
-            self.pos = LearnedPositionalEmbedding(self.max_len, self.d_model, rng=rng, dtype=dt)
-        elif positional == "sinusoidal":
-            self.pos = PositionalEncoding(self.d_model, self.max_len, dtype=dt)
-        else:
-            self.pos = None  # rope: the positions live in the attention
-        self.dropout = Dropout(c["dropout"], rng=rng)
-        rotary = RotaryEmbedding(d_model // n_heads, self.max_len, dtype=dt) if positional == "rope" else None
-        block = dict(norm=norm, activation=activation, n_kv_heads=c["n_kv_heads"], rotary=rotary, rng=rng, dtype=dt)
-        self.layers = ModuleList(GPTBlock(d_model, n_heads, d_ff, c["dropout"], **block) for _ in range(n_layers))
-        self.norm = make_norm(norm, d_model, dt)
-        self.output_projection = Linear(d_model, self.vocab_size, bias=False, rng=rng, dtype=dt)  # (V, d)
-        if c["tie_output"]:
-            self.output_projection.weight = self.embed.weight  # one Parameter: logits = h @ E^T
-        else:
-            xavier_uniform_(self.output_projection.weight, rng)
-        for _, p in self.layers.named_parameters():
-            if p.data.ndim == 2:
-                xavier_uniform_(p, rng)
-        use_attention(self, attn_impl, tile_size)  # how every block computes its heads (not a weight)
-
     # -- forward and backward --------------------------------------------------------------------------------------
     def forward(self, tokens: np.ndarray) -> np.ndarray:
         x = self._embed(tokens, 0)  # (B, T, d)
@@ -225,3 +178,14 @@ class GPT(GPTDoor, Module):
                 out = np.concatenate([out, nxt[:, None]], axis=1)
         self._cache = None
         return out
+
+
+# the building blocks of the constructor written in tfm_common.model_doors (GPTDoor.__init__)
+GPT._parts = SimpleNamespace(
+    check_dtype=check_dtype, as_rng=as_rng, check_attn_impl=check_attn_impl, use_attention=use_attention,
+    Embedding=Embedding, scale_=scale_, LearnedPositionalEmbedding=LearnedPositionalEmbedding,
+    PositionalEncoding=PositionalEncoding, Dropout=Dropout, RotaryEmbedding=RotaryEmbedding, GPTBlock=GPTBlock,
+    ModuleList=ModuleList, make_norm=make_norm, Linear=Linear, xavier_uniform_=xavier_uniform_,
+)  # fmt: skip
+# a wrong argument is refused in the name of GPT, not of its door; tfm_numpy's default dtype
+own_init(GPT, dtype=np.float32)

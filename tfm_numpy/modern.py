@@ -7,9 +7,12 @@ Shapes: `(B, T, d_model)` activations; per head `(B, H, T, d_head)`. Masks are b
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 
-from tfm_common.attention import GroupedQueryAttentionDoor, attn_impl_repr, check_heads, check_kv_heads, check_rotary
+from tfm_common.attention import GroupedQueryAttentionDoor, check_kv_heads
+from tfm_common.config import own_init
 from tfm_common.validate import check_positions, check_real, check_size, check_sizes
 
 from .attention import AttentionImpl, check_attn_impl
@@ -219,36 +222,9 @@ class GroupedQueryAttention(AttentionImpl, GroupedQueryAttentionDoor, Module):
     """
 
     _check_float, _check_mask = staticmethod(check_input), staticmethod(check_mask)  # the door's checks
-
-    def __init__(
-        self,
-        d_model: int,
-        n_heads: int,
-        n_kv_heads: int | None = None,
-        dropout: float = 0.0,
-        bias: bool = True,
-        *,
-        rotary: RotaryEmbedding | None = None,
-        attn_impl: str = "explicit",
-        tile_size: int = 64,
-        rng=None,
-        dtype=np.float32,
-    ):
-        super().__init__()
-        owner = "GroupedQueryAttention"
-        self.d_model, self.n_heads, self.d_head = check_heads(owner, d_model, n_heads)
-        self.n_kv_heads = check_kv_heads(owner, n_heads, n_kv_heads)
-        check_rotary(owner, rotary, self.d_head, RotaryEmbedding)
-        dt, g = check_dtype(dtype), as_rng(rng)
-        d_kv = self.n_kv_heads * self.d_head
-        self.q_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
-        self.k_proj = Linear(d_model, d_kv, bias, rng=g, dtype=dt)
-        self.v_proj = Linear(d_model, d_kv, bias, rng=g, dtype=dt)
-        self.out_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
-        self.dropout = Dropout(dropout, rng=g)
-        self.rotary = rotary
-        self.attn_impl, self.tile_size = check_attn_impl(owner, attn_impl, tile_size)
-        self.attn_weights: np.ndarray | None = None
+    # the building blocks of the constructor written in tfm_common.attention (GroupedQueryAttentionDoor.__init__)
+    _parts = SimpleNamespace(check_dtype=check_dtype, as_rng=as_rng, check_attn_impl=check_attn_impl, Linear=Linear,
+                             Dropout=Dropout, RotaryEmbedding=RotaryEmbedding)  # fmt: skip
 
     def _split(self, x: np.ndarray, n: int) -> np.ndarray:
         """(B, T, n * d_head) -> (B, n, T, d_head)."""
@@ -312,8 +288,6 @@ class GroupedQueryAttention(AttentionImpl, GroupedQueryAttentionDoor, Module):
         self._cache = None  # nothing for a backward: one after this step is an error, not a wrong gradient
         return self.out_proj(self._merge(ctx))
 
-    def extra_repr(self) -> str:
-        rope = ", rotary" if self.rotary is not None else ""
-        return (
-            f"d_model={self.d_model}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}{rope}{attn_impl_repr(self)}"
-        )
+
+# a wrong argument is refused in the name of GroupedQueryAttention, not of its door
+own_init(GroupedQueryAttention, dtype=np.float32)  # tfm_numpy's default dtype

@@ -64,6 +64,18 @@ def check_dtype(dtype) -> np.dtype:
     return dt
 
 
+# -- initializers shared by the models' constructors (tfm_common's doors build with them) ----------------------------
+def normal_parameter(shape: tuple[int, ...], std: float, rng: np.random.Generator, dtype) -> Parameter:
+    """A Parameter drawn N(0, std^2) from `rng`: in float64, stored in `dtype` (a class token, a bias table)."""
+    return Parameter((std * rng.standard_normal(shape)).astype(dtype))
+
+
+def scale_(p: Parameter, factor: float) -> Parameter:
+    """In place: p times `factor`, a scalar of p's dtype (an initialization rescaled, as torch's `p.mul_`)."""
+    p.data *= p.data.dtype.type(factor)
+    return p
+
+
 # -- the door: what a forward keeps, what a call from outside is checked for (see `Module`) ---------------------------
 # Only the outermost call comes from a caller outside the library: there the caller's arrays are copied (NumPy has no
 # version counter: an array changed in place between forward and backward would silently corrupt the gradients;

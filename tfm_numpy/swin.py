@@ -24,7 +24,7 @@ from tfm_common.model_doors import PatchMergingDoor, SwinBlockDoor, SwinDoor, Wi
 from tfm_common.validate import check_size
 
 from .layers import Dropout, LayerNorm, Linear
-from .module import Module, ModuleList, Parameter, as_rng, check_dtype, check_input
+from .module import Module, ModuleList, as_rng, check_dtype, check_input, normal_parameter
 from .sublayers import PositionwiseFeedForward
 from .vit import PatchEmbedding
 
@@ -95,26 +95,6 @@ class WindowAttention(WindowAttentionDoor, Module):
 
     _mask_kind = (np.ndarray, np.bool_, "array")  # see tfm_common.model_doors
     _check_float = staticmethod(check_input)
-
-    def __init__(self, d_model: int, n_heads: int, window_size: int, dropout: float = 0.0, *, rng=None,
-                 dtype=np.float32):  # fmt: skip
-        super().__init__()
-        check_size("WindowAttention", "d_model", d_model)
-        check_size("WindowAttention", "n_heads", n_heads)
-        M = check_size("WindowAttention", "window_size", window_size)
-        if d_model % n_heads:
-            raise ValueError(f"WindowAttention: d_model={d_model} must be divisible by n_heads={n_heads}")
-        self.d_model, self.n_heads, self.d_head, self.window_size = d_model, n_heads, d_model // n_heads, M
-        dt, rng = check_dtype(dtype), as_rng(rng)
-        self.q_proj = Linear(d_model, d_model, rng=rng, dtype=dt)
-        self.k_proj = Linear(d_model, d_model, rng=rng, dtype=dt)
-        self.v_proj = Linear(d_model, d_model, rng=rng, dtype=dt)
-        self.out_proj = Linear(d_model, d_model, rng=rng, dtype=dt)
-        table = 0.02 * rng.standard_normal(((2 * M - 1) ** 2, n_heads))
-        self.relative_position_bias_table = Parameter(table.astype(dt))
-        self.index = relative_position_index(M)  # (M M, M M): a constant, not a parameter
-        self.dropout = Dropout(dropout, rng=rng)  # on the attention weights
-        self.attn_weights: np.ndarray | None = None
 
     def _split(self, x: np.ndarray) -> np.ndarray:
         Bw, N, _ = x.shape
@@ -262,12 +242,14 @@ class Swin(SwinDoor, Module):
         return self.patch_embed.backward(self.dropout.backward(dx))  # (B, C, H, W)
 
 
-# the building blocks of the constructors written in tfm_common.model_doors (SwinDoor, SwinBlockDoor, PatchMergingDoor)
-Swin._parts = SwinBlock._parts = PatchMerging._parts = SimpleNamespace(
+# the building blocks of the constructors written in tfm_common.model_doors (SwinDoor, WindowAttentionDoor,
+# SwinBlockDoor, PatchMergingDoor); a constant (a mask, an index) is kept as an attribute
+Swin._parts = WindowAttention._parts = SwinBlock._parts = PatchMerging._parts = SimpleNamespace(
     check_dtype=check_dtype, as_rng=as_rng, ModuleList=ModuleList, LayerNorm=LayerNorm, Linear=Linear, Dropout=Dropout,
     PatchEmbedding=PatchEmbedding, SwinBlock=SwinBlock, PatchMerging=PatchMerging, WindowAttention=WindowAttention,
     PositionwiseFeedForward=PositionwiseFeedForward, shifted_window_mask=shifted_window_mask,
-    keep_mask=setattr,
+    relative_position_index=relative_position_index, normal_parameter=normal_parameter,
+    keep_constant=setattr,
 )  # fmt: skip
-for _cls in (Swin, SwinBlock, PatchMerging):
+for _cls in (Swin, WindowAttention, SwinBlock, PatchMerging):
     own_init(_cls, dtype=np.float32)  # tfm_numpy's default dtype

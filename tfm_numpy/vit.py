@@ -11,14 +11,16 @@ a sequence with no padding, so no mask.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 
-from tfm_common.config import VIT_ARGS, check_patch_embedding, check_vit_config
+from tfm_common.config import own_init
 from tfm_common.model_doors import PatchEmbeddingDoor, ViTDoor
 
 from .encoder_decoder import Encoder
 from .layers import Dropout, Linear
-from .module import Module, Parameter, as_rng, check_dtype, check_input
+from .module import Module, as_rng, check_dtype, check_input, normal_parameter, scale_
 from .positional import LearnedPositionalEmbedding
 
 __all__ = ["PatchEmbedding", "ViT", "patchify", "unpatchify"]
@@ -50,15 +52,6 @@ class PatchEmbedding(PatchEmbeddingDoor, Module):
 
     _check_float = staticmethod(check_input)  # see tfm_common.model_doors
 
-    def __init__(self, image_size: int, patch_size: int, in_channels: int, d_model: int, *, rng=None,
-                 dtype=np.float32):  # fmt: skip
-        super().__init__()
-        check_patch_embedding("PatchEmbedding", image_size, patch_size, in_channels, d_model)
-        self.image_size, self.patch_size, self.in_channels, self.d_model = image_size, patch_size, in_channels, d_model
-        self.grid = image_size // patch_size
-        self.n_patches = self.grid * self.grid
-        self.proj = Linear(in_channels * patch_size * patch_size, d_model, rng=as_rng(rng), dtype=check_dtype(dtype))
-
     def forward(self, images: np.ndarray) -> np.ndarray:
         self._cache = images.shape
         return self.proj(patchify(images, self.patch_size))  # (B, N, d)
@@ -76,36 +69,6 @@ class ViT(ViTDoor, Module):
     T = N + 1 (or N), the encoder's layers and final `norm`, and `head` (n_classes, d). The class token and the
     positions start N(0, 0.02^2), as in the reference implementation; the Linears keep their default init.
     """
-
-    def __init__(
-        self,
-        image_size: int,
-        patch_size: int,
-        in_channels: int,
-        n_classes: int,
-        d_model: int,
-        n_heads: int,
-        d_ff: int,
-        n_layers: int,
-        dropout: float = 0.0,
-        *,
-        pool: str = "cls",
-        rng=None,
-        dtype=np.float32,
-    ):
-        super().__init__()
-        self.config = check_vit_config("ViT", {k: v for k, v in locals().items() if k in VIT_ARGS})
-        dt, rng = check_dtype(dtype), as_rng(rng)
-        self.pool, self.d_model = pool, d_model
-        self.patch_embed = PatchEmbedding(image_size, patch_size, in_channels, d_model, rng=rng, dtype=dt)
-        n_tokens = self.patch_embed.n_patches + (pool == "cls")
-        cls = Parameter((0.02 * rng.standard_normal((1, 1, d_model))).astype(dt)) if pool == "cls" else None
-        self.cls_token = cls
-        self.pos_embed = LearnedPositionalEmbedding(n_tokens, d_model, rng=rng, dtype=dt)
-        self.pos_embed.weight.data *= dt.type(0.02)
-        self.dropout = Dropout(dropout, rng=rng)
-        self.encoder = Encoder(n_layers, d_model, n_heads, d_ff, dropout, "gelu", norm_first=True, rng=rng, dtype=dt)
-        self.head = Linear(d_model, n_classes, rng=rng, dtype=dt)
 
     def forward(self, images: np.ndarray) -> np.ndarray:
         x = self.patch_embed(images)  # (B, N, d)
@@ -130,3 +93,13 @@ class ViT(ViTDoor, Module):
             self.cls_token.grad += dx[:, :1].sum(axis=0, keepdims=True)  # one token shared by every image
             dx = dx[:, 1:]
         return self.patch_embed.backward(np.ascontiguousarray(dx))  # (B, C, H, W)
+
+
+# the building blocks of the constructors written in tfm_common.model_doors (PatchEmbeddingDoor, ViTDoor)
+PatchEmbedding._parts = ViT._parts = SimpleNamespace(
+    check_dtype=check_dtype, as_rng=as_rng, Linear=Linear, Dropout=Dropout, PatchEmbedding=PatchEmbedding,
+    normal_parameter=normal_parameter, scale_=scale_, LearnedPositionalEmbedding=LearnedPositionalEmbedding,
+    Encoder=Encoder,
+)  # fmt: skip
+for _cls in (PatchEmbedding, ViT):
+    own_init(_cls, dtype=np.float32)  # tfm_numpy's default dtype

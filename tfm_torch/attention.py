@@ -6,17 +6,13 @@ Autograd does the backward. Masks (boolean, True = "may attend") are made and ch
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 
-from tfm_common.attention import (
-    MultiHeadAttentionDoor,
-    attn_impl_repr,
-    check_heads,
-    refuse_flash_dropout,
-    switch_attention,
-)
+from tfm_common.attention import MultiHeadAttentionDoor, refuse_flash_dropout, switch_attention
+from tfm_common.config import own_init
 from tfm_common.pitfalls import HEAD_PROJECTIONS, SCORE_SCALES
 from tfm_common.validate import check_choice, check_size
 
@@ -43,6 +39,11 @@ __all__ = [
 # "sdpa" (torch.nn.functional.scaled_dot_product_attention: fused kernels on a GPU) exists in this track only; the
 # NumPy track refuses it by name (tfm_numpy.attention.check_attn_impl)
 ATTN_IMPLS = ("explicit", "flash", "sdpa")
+
+
+def check_attn_impl(owner: str, attn_impl, tile_size) -> tuple[str, int]:
+    """The attn_impl option (tfm_numpy's two, and "sdpa") and the tile size."""
+    return check_choice(owner, "attn_impl", attn_impl, ATTN_IMPLS), check_size(owner, "tile_size", tile_size)
 
 
 # -- scaled dot-product attention ----------------------------------------------------------------------------
@@ -109,31 +110,9 @@ class MultiHeadAttention(AttentionImpl, MultiHeadAttentionDoor, Module):
     (this track only) takes the same mask (a row with nothing to attend to gives zeros, as here)."""
 
     _check_float, _check_mask = staticmethod(check_input), staticmethod(check_mask)  # the door's checks
-
-    def __init__(
-        self,
-        d_model: int,
-        n_heads: int,
-        dropout: float = 0.0,
-        bias: bool = True,
-        *,
-        attn_impl: str = "explicit",
-        tile_size: int = 64,
-        score_scale: str = "d_k",
-        rng=None,
-        dtype=None,
-    ):
-        super().__init__()
-        owner = type(self).__name__
-        self.d_model, self.n_heads, self.d_head = check_heads(owner, d_model, n_heads)
-        self.attn_impl, self.tile_size = check_attn_impl(owner, attn_impl, tile_size)
-        self.score_scale = check_choice(owner, "score_scale", score_scale, SCORE_SCALES)
-        self.q_scale = None if score_scale == "d_k" else 1.0 / math.sqrt(n_heads)
-        dt, g = check_dtype(dtype), as_generator(rng)
-        self._make_projections(d_model, bias, g, dt)
-        self.out_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
-        self.dropout = Dropout(dropout, rng=g)  # on the attention weights, in training only
-        self.attn_weights: torch.Tensor | None = None
+    # the building blocks of the constructor written in tfm_common.attention (MultiHeadAttentionDoor.__init__)
+    _parts = SimpleNamespace(check_dtype=check_dtype, as_rng=as_generator, check_attn_impl=check_attn_impl,
+                             Linear=Linear, Dropout=Dropout)  # fmt: skip
 
     def _make_projections(self, d_model: int, bias: bool, g, dt) -> None:
         self.q_proj = self._query_projection(d_model, bias, g, dt)
@@ -175,9 +154,9 @@ class MultiHeadAttention(AttentionImpl, MultiHeadAttentionDoor, Module):
         q = self._split(self.q_proj(query))  # (B, H, Tn, dk)
         return self.out_proj(self._merge(self._attend(q, cache["k"], cache["v"], mask)))  # (B, Tn, d)
 
-    def extra_repr(self) -> str:
-        scale = ", score_scale='d_model'" if self.score_scale == "d_model" else ""
-        return f"d_model={self.d_model}, n_heads={self.n_heads}{attn_impl_repr(self)}{scale}"
+
+# a wrong argument is refused in the name of MultiHeadAttention, not of its door
+own_init(MultiHeadAttention)  # SharedHeadProjectionAttention inherits it
 
 
 class ScaledLinear(Linear):
@@ -223,11 +202,6 @@ def make_attention(head_projection: str, d_model: int, n_heads: int, dropout: fl
     head_projection = check_choice("make_attention", "head_projection", head_projection, HEAD_PROJECTIONS)
     cls = MultiHeadAttention if head_projection == "full" else SharedHeadProjectionAttention
     return cls(d_model, n_heads, dropout, **kwargs)
-
-
-def check_attn_impl(owner: str, attn_impl, tile_size) -> tuple[str, int]:
-    """The attn_impl option (tfm_numpy's two, and "sdpa") and the tile size."""
-    return check_choice(owner, "attn_impl", attn_impl, ATTN_IMPLS), check_size(owner, "tile_size", tile_size)
 
 
 def use_attention(model, attn_impl: str = "explicit", tile_size: int = 64):

@@ -3,10 +3,13 @@ position embedding, the SwiGLU feed-forward, grouped-query attention); autograd 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 from torch import nn
 
-from tfm_common.attention import GroupedQueryAttentionDoor, attn_impl_repr, check_heads, check_kv_heads, check_rotary
+from tfm_common.attention import GroupedQueryAttentionDoor, check_kv_heads
+from tfm_common.config import own_init
 from tfm_common.validate import check_positions, check_real, check_size, check_sizes
 
 from .attention import AttentionImpl, check_attn_impl
@@ -128,36 +131,9 @@ class GroupedQueryAttention(AttentionImpl, GroupedQueryAttentionDoor, Module):
     unrepeated (enable_gqa)."""
 
     _check_float, _check_mask = staticmethod(check_input), staticmethod(check_mask)  # the door's checks
-
-    def __init__(
-        self,
-        d_model: int,
-        n_heads: int,
-        n_kv_heads: int | None = None,
-        dropout: float = 0.0,
-        bias: bool = True,
-        *,
-        rotary: RotaryEmbedding | None = None,
-        attn_impl: str = "explicit",
-        tile_size: int = 64,
-        rng=None,
-        dtype=None,
-    ):
-        super().__init__()
-        owner = "GroupedQueryAttention"
-        self.d_model, self.n_heads, self.d_head = check_heads(owner, d_model, n_heads)
-        self.n_kv_heads = check_kv_heads(owner, n_heads, n_kv_heads)
-        check_rotary(owner, rotary, self.d_head, RotaryEmbedding)
-        dt, g = check_dtype(dtype), as_generator(rng)
-        d_kv = self.n_kv_heads * self.d_head
-        self.q_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
-        self.k_proj = Linear(d_model, d_kv, bias, rng=g, dtype=dt)
-        self.v_proj = Linear(d_model, d_kv, bias, rng=g, dtype=dt)
-        self.out_proj = Linear(d_model, d_model, bias, rng=g, dtype=dt)
-        self.dropout = Dropout(dropout, rng=g)
-        self.rotary = rotary
-        self.attn_impl, self.tile_size = check_attn_impl(owner, attn_impl, tile_size)
-        self.attn_weights: torch.Tensor | None = None
+    # the building blocks of the constructor written in tfm_common.attention (GroupedQueryAttentionDoor.__init__)
+    _parts = SimpleNamespace(check_dtype=check_dtype, as_rng=as_generator, check_attn_impl=check_attn_impl,
+                             Linear=Linear, Dropout=Dropout, RotaryEmbedding=RotaryEmbedding)  # fmt: skip
 
     def _split(self, x: torch.Tensor, n: int) -> torch.Tensor:
         B, T, _ = x.shape
@@ -195,8 +171,6 @@ class GroupedQueryAttention(AttentionImpl, GroupedQueryAttentionDoor, Module):
         n_rep = self.n_heads // self.n_kv_heads
         return super()._attend_flash(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), mask)
 
-    def extra_repr(self) -> str:
-        rope = ", rotary" if self.rotary is not None else ""
-        return (
-            f"d_model={self.d_model}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}{rope}{attn_impl_repr(self)}"
-        )
+
+# a wrong argument is refused in the name of GroupedQueryAttention, not of its door
+own_init(GroupedQueryAttention)

@@ -31,6 +31,18 @@ def check_dtype(dtype) -> torch.dtype:
     return dtype
 
 
+# -- initializers shared by the models' constructors (tfm_common's doors build with them) ----------------------------
+def normal_parameter(shape: tuple[int, ...], std: float, rng: torch.Generator, dtype) -> torch.nn.Parameter:
+    """A Parameter drawn N(0, std^2) from `rng`, in `dtype` (a class token, a bias table; as tfm_numpy's)."""
+    return torch.nn.Parameter(std * torch.randn(*shape, generator=rng, dtype=dtype))
+
+
+@torch.no_grad()
+def scale_(p: torch.Tensor, factor: float) -> torch.Tensor:
+    """In place, outside autograd: p times `factor` (an initialization rescaled, as tfm_numpy's)."""
+    return p.mul_(factor)
+
+
 def autocast_dtype(x: torch.Tensor) -> bool:
     """x is bfloat16/float16 inside an enabled torch.autocast region of its device."""
     return x.dtype in (torch.bfloat16, torch.float16) and torch.is_autocast_enabled(x.device.type)

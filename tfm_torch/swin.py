@@ -10,12 +10,12 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from tfm_common.config import check_window_grid
+from tfm_common.config import check_window_grid, own_init
 from tfm_common.model_doors import PatchMergingDoor, SwinBlockDoor, SwinDoor, WindowAttentionDoor
 from tfm_common.validate import check_size
 
 from .layers import Dropout, LayerNorm, Linear
-from .module import Module, as_generator, check_dtype, check_input
+from .module import Module, as_generator, check_dtype, check_input, normal_parameter
 from .sublayers import PositionwiseFeedForward
 from .vit import PatchEmbedding
 
@@ -70,25 +70,6 @@ class WindowAttention(WindowAttentionDoor, Module):
 
     _mask_kind = (torch.Tensor, torch.bool, "tensor")  # see tfm_common.model_doors
     _check_float = staticmethod(check_input)
-
-    def __init__(self, d_model: int, n_heads: int, window_size: int, dropout: float = 0.0, *, rng=None, dtype=None):
-        super().__init__()
-        check_size("WindowAttention", "d_model", d_model)
-        check_size("WindowAttention", "n_heads", n_heads)
-        M = check_size("WindowAttention", "window_size", window_size)
-        if d_model % n_heads:
-            raise ValueError(f"WindowAttention: d_model={d_model} must be divisible by n_heads={n_heads}")
-        self.d_model, self.n_heads, self.d_head, self.window_size = d_model, n_heads, d_model // n_heads, M
-        dt, rng = check_dtype(dtype), as_generator(rng)
-        self.q_proj = Linear(d_model, d_model, rng=rng, dtype=dt)
-        self.k_proj = Linear(d_model, d_model, rng=rng, dtype=dt)
-        self.v_proj = Linear(d_model, d_model, rng=rng, dtype=dt)
-        self.out_proj = Linear(d_model, d_model, rng=rng, dtype=dt)
-        table = 0.02 * torch.randn((2 * M - 1) ** 2, n_heads, generator=rng, dtype=dt)
-        self.relative_position_bias_table = nn.Parameter(table)
-        self.register_buffer("index", relative_position_index(M), persistent=False)  # not a state_dict key
-        self.dropout = Dropout(dropout, rng=rng)
-        self.attn_weights: torch.Tensor | None = None
 
     def _split(self, x: torch.Tensor) -> torch.Tensor:
         Bw, N, _ = x.shape
@@ -160,10 +141,14 @@ class Swin(SwinDoor, Module):
         return self.head(self.norm(x).mean(dim=1))
 
 
-# the building blocks of the constructors written in tfm_common.model_doors (SwinDoor, SwinBlockDoor, PatchMergingDoor)
-Swin._parts = SwinBlock._parts = PatchMerging._parts = SimpleNamespace(
+# the building blocks of the constructors written in tfm_common.model_doors (SwinDoor, WindowAttentionDoor,
+# SwinBlockDoor, PatchMergingDoor); a constant (a mask, an index) is kept as a buffer, not saved
+Swin._parts = WindowAttention._parts = SwinBlock._parts = PatchMerging._parts = SimpleNamespace(
     check_dtype=check_dtype, as_rng=as_generator, ModuleList=nn.ModuleList, LayerNorm=LayerNorm, Linear=Linear,
     Dropout=Dropout, PatchEmbedding=PatchEmbedding, SwinBlock=SwinBlock, PatchMerging=PatchMerging,
     WindowAttention=WindowAttention, PositionwiseFeedForward=PositionwiseFeedForward,
-    shifted_window_mask=shifted_window_mask, keep_mask=functools.partial(nn.Module.register_buffer, persistent=False),
+    shifted_window_mask=shifted_window_mask, relative_position_index=relative_position_index,
+    normal_parameter=normal_parameter, keep_constant=functools.partial(nn.Module.register_buffer, persistent=False),
 )  # fmt: skip
+for _cls in (Swin, WindowAttention, SwinBlock, PatchMerging):
+    own_init(_cls)  # a wrong argument is refused in the name of the class built, not of its door

@@ -6,20 +6,20 @@ conversion of weights between the two, are in `tfm_torch.reference`.)
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import torch
 from torch import nn
 
-from tfm_common.config import transformer_options
+from tfm_common.config import own_init
 from tfm_common.doors import TransformerDoor
-from tfm_common.validate import check_size
 
 from .attention import check_attn_impl, use_attention
 from .encoder_decoder import Decoder, Encoder
 from .kv_cache import cache_append
 from .layers import Dropout, Embedding, LayerNorm, Linear
 from .masks import causal_mask, check_mask, decoder_mask, padding_mask
-from .module import Module, as_generator, check_dtype, check_indices, check_input
+from .module import Module, as_generator, check_dtype, check_indices, check_input, scale_
 from .positional import LearnedPositionalEmbedding, PositionalEncoding
 
 __all__ = ["xavier_uniform_", "Transformer"]
@@ -44,86 +44,6 @@ class Transformer(TransformerDoor, Module):
     every use into its one `.grad`; `named_parameters()` and `num_parameters()` list it once, `state_dict()`
     under each name.
     """
-
-    def __init__(
-        self,
-        src_vocab_size: int,
-        tgt_vocab_size: int,
-        d_model: int = 512,
-        n_heads: int = 8,
-        d_ff: int = 2048,
-        n_layers: int = 6,
-        dropout: float = 0.1,
-        max_len: int = 1024,
-        norm_first: bool = False,
-        positional: str = "sinusoidal",
-        share_embeddings: bool = False,
-        tie_output: bool = True,
-        pad_id: int = 0,
-        activation: str = "relu",
-        final_norm: bool | None = None,
-        *,
-        attn_impl: str = "explicit",
-        tile_size: int = 64,
-        score_scale: str = "d_k",
-        head_projection: str = "full",
-        dropout_place: str = "sublayer",
-        ff_dropout: bool = True,
-        embed_scale: str = "embedding",
-        embed_norm: bool = False,
-        tgt_padding_mask: bool = True,
-        rng=None,
-        dtype=None,
-    ):
-        args = locals()  # the constructor's arguments, as a dict
-        super().__init__()
-        # the checked arguments, sizes as Python ints (JSON-able: checkpoints record them), and the pitfall options
-        self.config, opts, layer_opts = transformer_options("Transformer", args)
-        c = self.config
-        embed_scale, self.tgt_padding_mask = opts["embed_scale"], opts["tgt_padding_mask"]
-        self._in_scale = math.sqrt(c["d_model"]) if embed_scale == "embedding" else None  # times the embeddings
-        self._out_scale = c["d_model"] ** -0.5 if embed_scale == "logits" else None  # times the logits
-        d_model, n_heads, d_ff, n_layers, max_len, pad_id = (c[k] for k in ("d_model", "n_heads", "d_ff", "n_layers",
-                                                                            "max_len", "pad_id"))  # fmt: skip
-        src_vocab_size, tgt_vocab_size = c["src_vocab_size"], c["tgt_vocab_size"]
-        attn_impl, tile_size = check_attn_impl(
-            "Transformer", attn_impl, check_size("Transformer", "tile_size", tile_size)
-        )
-        self.d_model, self.max_len, self.pad_id = d_model, max_len, pad_id
-        self.src_vocab_size, self.tgt_vocab_size = src_vocab_size, tgt_vocab_size
-        dt, gen = check_dtype(dtype), as_generator(rng)
-        stack = (n_layers, d_model, n_heads, d_ff, dropout, activation, norm_first, final_norm)
-
-        self.src_embed = Embedding(src_vocab_size, d_model, padding_idx=pad_id, rng=gen, dtype=dt)
-        self.tgt_embed = Embedding(tgt_vocab_size, d_model, padding_idx=pad_id, rng=gen, dtype=dt)
-        with torch.no_grad():
-            for emb in (self.src_embed, self.tgt_embed):
-                if embed_scale != "none":  # "none" keeps N(0, 1), torch.nn.Embedding's default
-                    emb.weight.mul_(d_model**-0.5)  # N(0, 1) -> N(0, 1/d_model); the padding row stays 0
-        if share_embeddings:
-            self.tgt_embed.weight = self.src_embed.weight  # one Parameter, two lookups
-        self.src_pos = self._make_positional(positional, gen, dt)
-        self.tgt_pos = self._make_positional(positional, gen, dt)
-        self.src_dropout = Dropout(dropout, rng=gen)
-        self.tgt_dropout = Dropout(dropout, rng=gen)
-        self.src_embed_norm = LayerNorm(d_model, dtype=dt) if opts["embed_norm"] else None  # after the dropout
-        self.tgt_embed_norm = LayerNorm(d_model, dtype=dt) if opts["embed_norm"] else None
-        self.encoder = Encoder(*stack, rng=gen, dtype=dt, **layer_opts)
-        self.decoder = Decoder(*stack, rng=gen, dtype=dt, **layer_opts)
-        self.output_projection = Linear(d_model, tgt_vocab_size, bias=False, rng=gen, dtype=dt)  # (V, d)
-        if tie_output:
-            self.output_projection.weight = self.tgt_embed.weight  # logits = y @ E^T
-        else:
-            xavier_uniform_(self.output_projection.weight, gen)
-        for p in [*self.encoder.parameters(), *self.decoder.parameters()]:
-            if p.dim() == 2:
-                xavier_uniform_(p, gen)
-        use_attention(self, attn_impl, tile_size)  # how every attention computes its heads (not a weight)
-
-    def _make_positional(self, positional: str, gen, dt) -> nn.Module:
-        if positional == "sinusoidal":  # no parameters; its own dropout unused (p=0): ours follows the sum
-            return PositionalEncoding(self.d_model, self.max_len, dropout=0.0, dtype=dt)
-        return LearnedPositionalEmbedding(self.max_len, self.d_model, rng=gen, dtype=dt)
 
     def encode(self, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """src (B, S) ids -> (memory (B, S, d), src_mask (B, 1, 1, S), True at real tokens)."""
@@ -190,3 +110,13 @@ class Transformer(TransformerDoor, Module):
     def extra_repr(self) -> str:
         c = self.config
         return ", ".join(f"{k}={c[k]!r}" for k in ("norm_first", "positional", "share_embeddings", "tie_output"))
+
+
+# the building blocks of the constructor written in tfm_common.doors (TransformerDoor.__init__)
+Transformer._parts = SimpleNamespace(
+    check_dtype=check_dtype, as_rng=as_generator, check_attn_impl=check_attn_impl, use_attention=use_attention,
+    Embedding=Embedding, scale_=scale_, PositionalEncoding=PositionalEncoding,
+    LearnedPositionalEmbedding=LearnedPositionalEmbedding, Dropout=Dropout, LayerNorm=LayerNorm, Encoder=Encoder,
+    Decoder=Decoder, Linear=Linear, xavier_uniform_=xavier_uniform_,
+)  # fmt: skip
+own_init(Transformer)  # a wrong argument is refused in the name of the Transformer, not of its door
