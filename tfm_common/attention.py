@@ -112,10 +112,10 @@ class MultiHeadAttentionDoor(AttentionDoor):
         self.score_scale = check_choice(owner, "score_scale", score_scale, SCORE_SCALES)
         # 1/sqrt(H) on the queries turns the 1/sqrt(dk) of the attention into 1/sqrt(d_model); None: the paper's
         self.q_scale = None if score_scale == "d_k" else 1.0 / math.sqrt(n_heads)
-        dt, g = parts.check_dtype(dtype), parts.as_rng(rng)
-        self._make_projections(d_model, bias, g, dt)
-        self.out_proj = parts.Linear(d_model, d_model, bias, rng=g, dtype=dt)
-        self.dropout = parts.Dropout(dropout, rng=g)  # on the attention weights, in training only
+        dt, rng = parts.check_dtype(dtype), parts.as_rng(rng)
+        self._make_projections(d_model, bias, rng, dt)
+        self.out_proj = parts.Linear(d_model, d_model, bias, rng=rng, dtype=dt)
+        self.dropout = parts.Dropout(dropout, rng=rng)  # on the attention weights, in training only
         self.attn_weights = None
 
     def _check_forward(self, query, key, value, mask=None) -> None:
@@ -155,13 +155,13 @@ class GroupedQueryAttentionDoor(AttentionDoor):
         self.d_model, self.n_heads, self.d_head = check_heads(owner, d_model, n_heads)
         self.n_kv_heads = check_kv_heads(owner, n_heads, n_kv_heads)
         check_rotary(owner, rotary, self.d_head, parts.RotaryEmbedding)
-        dt, g = parts.check_dtype(dtype), parts.as_rng(rng)
+        dt, rng = parts.check_dtype(dtype), parts.as_rng(rng)
         d_kv = self.n_kv_heads * self.d_head
-        self.q_proj = parts.Linear(d_model, d_model, bias, rng=g, dtype=dt)
-        self.k_proj = parts.Linear(d_model, d_kv, bias, rng=g, dtype=dt)
-        self.v_proj = parts.Linear(d_model, d_kv, bias, rng=g, dtype=dt)
-        self.out_proj = parts.Linear(d_model, d_model, bias, rng=g, dtype=dt)
-        self.dropout = parts.Dropout(dropout, rng=g)
+        self.q_proj = parts.Linear(d_model, d_model, bias, rng=rng, dtype=dt)
+        self.k_proj = parts.Linear(d_model, d_kv, bias, rng=rng, dtype=dt)
+        self.v_proj = parts.Linear(d_model, d_kv, bias, rng=rng, dtype=dt)
+        self.out_proj = parts.Linear(d_model, d_model, bias, rng=rng, dtype=dt)
+        self.dropout = parts.Dropout(dropout, rng=rng)
         self.rotary = rotary
         self.attn_impl, self.tile_size = parts.check_attn_impl(owner, attn_impl, tile_size)
         self.attn_weights = None
