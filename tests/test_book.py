@@ -117,6 +117,7 @@ def test_stored_translator_results_match_chapter_14a():
     results = json.loads((ROOT / "chapters" / "results" / "translator_numpy.json").read_text(encoding="utf-8"))
     nb = nbformat.read(ROOT / "chapters" / "14a_translator_numpy.ipynb", as_version=4)
     text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
-    line = f"exact match {results['exact_match']:.4f}, BLEU {results['bleu']:.2f}, {len(results['errors'])} errors"
-    assert f"wrote results/translator_numpy.json: {line}" in text
-    assert f"exact match: {results['exact_match']:.4f} ({len(results['errors'])} wrong)" in text
+    # printed as "~value" (tfm_common.show.about): a float32 training's results vary between CPUs
+    em, bleu, n = f"~{results['exact_match']:.4f}", f"~{results['bleu']:.2f}", f"~{len(results['errors'])}"
+    assert f"wrote results/translator_numpy.json: exact match {em}, BLEU {bleu}, {n} errors" in text
+    assert f"exact match: {em} ({n} wrong)" in text
