@@ -50,10 +50,12 @@ nbval: venv
 	OMP_NUM_THREADS=1 $(NBVAL) -n 2 --dist loadfile chapters $(NBVAL_TWO_THREADS:%=--ignore=chapters/%.ipynb)
 
 # The same strict notebook tests as on another CPU: other OpenBLAS kernels, torch's and MKL's kernels without
-# AVX2/AVX-512, another thread count than the stored run's. The stored outputs must pass here unchanged (what differs
-# between CPUs is masked by .nbval_sanitize.cfg and checked by the cells' own claims). Another configuration:
+# AVX2/AVX-512 (NumPy's own loops too), another thread count than the stored run's. The stored outputs must pass here
+# unchanged (what differs between CPUs is masked by .nbval_sanitize.cfg and checked by the cells' own claims).
+# Another configuration:
 #   make nbval-portable PORTABLE="OPENBLAS_CORETYPE=Haswell ATEN_CPU_CAPABILITY=avx2" PORTABLE_THREADS=4
-PORTABLE ?= OPENBLAS_CORETYPE=Sandybridge ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=AVX
+PORTABLE ?= OPENBLAS_CORETYPE=Sandybridge ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=AVX \
+	NPY_DISABLE_CPU_FEATURES="X86_V3 X86_V4 AVX512_ICL AVX512_SPR"
 PORTABLE_THREADS ?= 1
 # Two passes as in `make nbval` (14b reads the results file that 14a writes: never at the same time).
 nbval-portable: venv
