@@ -174,7 +174,7 @@ class GPT(GPTDoor, Module):
                     logits = self.forward(out)[:, -1]  # (B, V): the whole sequence again
                 else:
                     logits = self.forward_step(out if i == 0 else out[:, -1:], cache)[:, -1]  # the new token only
-                nxt = sample_next(logits, temperature, top_k, rng)  # (B,)
+                nxt = sample_next(logits, temperature, top_k, rng, name="GPT.generate")  # (B,)
                 out = np.concatenate([out, nxt[:, None]], axis=1)
         self._cache = None
         return out
