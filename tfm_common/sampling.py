@@ -70,7 +70,8 @@ def sample_next(logits: np.ndarray, temperature: float, top_k: int | None, rng: 
     if top_k is not None:
         kth = np.sort(z, axis=-1)[:, -top_k, None]  # (B, 1): the k-th largest
         z = np.where(z >= kth, z, -np.inf)
-    p = np.exp(z - z.max(axis=-1, keepdims=True))  # (B, V), unnormalized
+    with np.errstate(over="ignore"):  # a gap beyond the float range (a tiny temperature) is -inf: probability 0
+        p = np.exp(z - z.max(axis=-1, keepdims=True))  # (B, V), unnormalized
     cdf = np.cumsum(p, axis=-1)
     u = rng.random(len(p))[:, None] * cdf[:, -1:]  # (B, 1), in [0, total)
     return np.minimum((cdf <= u).sum(axis=-1), p.shape[-1] - 1).astype(np.int64)
