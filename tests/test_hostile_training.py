@@ -13,7 +13,7 @@ import torch
 from test_hostile import TINY, TRACKS, T, _batch, _state
 
 import tfm_numpy as tn
-from tfm_common.data import PAD_ID
+from tfm_common.data import PAD_ID, Batch
 from tfm_common.sampling import sample_next
 
 V = 7  # the GPT's vocabulary
@@ -154,6 +154,25 @@ def test_lm_train_step_refuses_before_any_change(L, what, exc, match):
     before = _state(L, m, opt)
     with pytest.raises(exc, match=match):
         L.lm_train_step(m, x, y, opt, loss_fn, 1e-2)
+    assert_unchanged(L, before, m, opt)
+
+
+def _empty():
+    z = np.zeros((0, 3), dtype=np.int64)
+    return Batch(z, z, z, 0)
+
+
+@TRACKS
+@pytest.mark.parametrize("step", ["train_step", "train_step_accumulated", "train_step_mixed"])
+def test_the_encoder_decoder_steps_refuse_an_empty_batch_too(L, step):
+    m, opt, scaler, loss_fn = mixed_setup(L)
+    before, scale = _state(L, m, opt), (scaler.scale, scaler.good_steps, scaler.overflows)
+    batch = [_empty(), _empty()] if step == "train_step_accumulated" else _empty()
+    extra = (scaler,) if step == "train_step_mixed" else ()
+    what = "micro_batches hold no rows" if step == "train_step_accumulated" else r"batch holds no rows \(src shape"
+    with pytest.raises(ValueError, match=f"^{step}: {what}"):
+        getattr(L, step)(m, batch, opt, loss_fn, 1e-3, *extra)
+    assert (scaler.scale, scaler.good_steps, scaler.overflows) == scale
     assert_unchanged(L, before, m, opt)
 
 

@@ -34,10 +34,10 @@ from .parallel import check_micro_batches, split_batch
 from .schedules import LossScaler, check_cooldown, cooldown_scale, noam_lr
 from .validate import check_choice, check_real, check_size
 
-__all__ = ["check_finite_step", "check_step", "check_mixed", "with_door", "check_lm_windows", "check_mixed_step",
-           "check_lm_ids", "check_distinct_params", "check_adam_eps", "check_moment", "HALF", "History", "StepResult",
-           "MixedStepResult", "record_overflow", "eval_mode", "Track", "track_functions", "steps_taken", "fit",
-           "Evaluation", "batch_stream", "evaluate_pairs"]  # fmt: skip
+__all__ = ["check_finite_step", "check_step", "check_batch", "check_mixed", "with_door", "check_lm_windows",
+           "check_mixed_step", "check_lm_ids", "check_distinct_params", "check_adam_eps", "check_moment", "HALF",
+           "History", "StepResult", "MixedStepResult", "record_overflow", "eval_mode", "Track", "track_functions",
+           "steps_taken", "fit", "Evaluation", "batch_stream", "evaluate_pairs"]  # fmt: skip
 
 HALF = ("float16", "bfloat16")  # the 16-bit formats of mixed precision
 _NOT_GIVEN = object()
@@ -80,10 +80,10 @@ def check_step(name: str, model_params, optimizer_params, *, batch=_NOT_GIVEN, m
     where the step takes one, and every parameter the optimizer updates one of the model's. An optimizer made for
     another model, or before the model was rebuilt (a notebook cell run again), would step those parameters with
     this model's gradients never applied: the loss would not move, and nothing would say why."""
-    if batch is not _NOT_GIVEN and not isinstance(batch, Batch):
-        raise TypeError(f"{name}: batch expected a tfm_common.data.Batch, got {type(batch).__name__}")
-    if micro_batches is not _NOT_GIVEN:
-        check_micro_batches(name, micro_batches)
+    if batch is not _NOT_GIVEN:
+        check_batch(name, batch)
+    if micro_batches is not _NOT_GIVEN and not sum(map(len, check_micro_batches(name, micro_batches))):
+        raise ValueError(f"{name}: micro_batches hold no rows: {_EMPTY}")
     own, params = {id(p) for p in model_params}, list(optimizer_params)
     stray = sum(id(p) not in own for p in params)
     if stray:
@@ -91,6 +91,19 @@ def check_step(name: str, model_params, optimizer_params, *, batch=_NOT_GIVEN, m
             f"{name}: {stray} of the optimizer's {len(params)} parameters are not this model's: was the optimizer "
             "made for another model, or before the model was rebuilt? Make it after the model (make_adam(model))"
         )
+
+
+_EMPTY = (
+    "an empty batch has no loss to follow, and the step would still move the weights (weight decay) and the step count"
+)
+
+
+def check_batch(name: str, batch) -> None:
+    """A step's `batch`: a `Batch` with at least one row."""
+    if not isinstance(batch, Batch):
+        raise TypeError(f"{name}: batch expected a tfm_common.data.Batch, got {type(batch).__name__}")
+    if not len(batch):
+        raise ValueError(f"{name}: batch holds no rows (src shape {batch.src.shape}): {_EMPTY}")
 
 
 def with_door(func: Callable, check: Callable) -> Callable:
@@ -118,15 +131,13 @@ def check_lm_windows(name: str, x, y, arrays: tuple[type, ...], words: str) -> N
         if not isinstance(a, arrays):
             raise TypeError(f"{name}: {arg} expected {words} of token ids (B, T), got {type(a).__name__}")
     if len(x.shape) == 2 and x.shape[0] == 0:
-        raise ValueError(
-            f"{name}: x holds no windows (shape {tuple(x.shape)}): an empty batch has no loss to follow, and the "
-            "step would still move the weights (weight decay) and the step count"
-        )
+        raise ValueError(f"{name}: x holds no windows (shape {tuple(x.shape)}): {_EMPTY}")
 
 
-def check_mixed_step(name: str, lr, scaler, clip_norm) -> None:
-    """`train_step_mixed`'s lr, scaler and clip_norm, before anything runs: the scaler follows every step it
+def check_mixed_step(name: str, batch, lr, scaler, clip_norm) -> None:
+    """`train_step_mixed`'s batch, lr, scaler and clip_norm, before anything runs: the scaler follows every step it
     sees, so a step refused later (at the update) would have moved the scale already."""
+    check_batch(name, batch)
     check_real(name, "lr", lr, 0.0, nonfinite=ValueError)
     if scaler is not None and not isinstance(scaler, LossScaler):
         raise TypeError(f"{name}: scaler expected a LossScaler or None, got {type(scaler).__name__}")

@@ -416,9 +416,10 @@ def train_step_mixed(
     return MixedStepResult(loss, norm, False, scale)
 
 
-def _check_mixed_step(lr, scaler, clip_norm, **_) -> None:
-    check_mixed_step("train_step_mixed", lr, scaler, clip_norm)
+def _check_mixed_step(batch, lr, scaler, clip_norm, **_) -> None:
+    check_mixed_step("train_step_mixed", batch, lr, scaler, clip_norm)
 
 
-# lr, scaler and clip_norm checked before the printed step runs: a step refused at its update must not move the scale
+# batch, lr, scaler and clip_norm checked before the printed step runs (a step refused at its update must not move
+# the scale)
 train_step_mixed = with_door(train_step_mixed, _check_mixed_step)

@@ -92,7 +92,8 @@ lm_train_step = with_door(lm_train_step, _check_lm_step)  # the windows checked 
 def lm_eval_loss(model: Module, ids, block_size: int, batch_size: int = 32) -> tuple[float, np.ndarray]:
     """The mean next-token loss (nats) over a token array cut into consecutive windows of block_size tokens (each
     window starts a fresh context; the tail that does not fill a window is left out), in eval mode.
-    Returns (mean loss, the targets scored (n_windows, block_size)): with their byte count, bits per byte."""
+    Returns (mean loss, the targets scored (n_windows, block_size)): with their byte count, bits per byte.
+    `ids`: 1-D integer ids in [0, vocab_size), at least block_size + 1 of them (one window and its targets)."""
     ids, block_size = check_lm_ids("lm_eval_loss", ids, block_size, getattr(model, "vocab_size", None))
     n = (len(ids) - 1) // block_size
     x, y = ids[: n * block_size].reshape(n, block_size), ids[1 : n * block_size + 1].reshape(n, block_size)

@@ -73,7 +73,8 @@ train, evaluate = track_functions(TRACK)
 
 
 def lm_train_step(model: nn.Module, x, y, optimizer: torch.optim.Optimizer, loss_fn, lr: float, clip_norm=None):
-    """One update on windows x (B, T) and next tokens y (B, T) (NumPy arrays or tensors), as tfm_numpy's.
+    """One update on windows x (B, T) and next tokens y (B, T) (NumPy arrays or tensors; a nested list is refused,
+    as in tfm_numpy, and so is an empty batch), as tfm_numpy's.
     Returns (loss before the update, gradient norm before clipping)."""
     check_lm_windows("lm_train_step", x, y, (np.ndarray, torch.Tensor), "a numpy.ndarray or torch.Tensor")
     check_step("lm_train_step", model.parameters(), optimizer_params(optimizer))
@@ -89,7 +90,7 @@ def lm_train_step(model: nn.Module, x, y, optimizer: torch.optim.Optimizer, loss
 @torch.no_grad()
 def lm_eval_loss(model: nn.Module, ids, block_size: int, batch_size: int = 32) -> tuple[float, np.ndarray]:
     """Mean next-token loss (nats) over consecutive windows of a token array, as tfm_numpy's; returns (loss, the
-    targets scored (n_windows, block_size) as a NumPy array)."""
+    targets scored (n_windows, block_size) as a NumPy array). `ids` are checked as there."""
     ids, block_size = check_lm_ids("lm_eval_loss", ids, block_size, getattr(model, "vocab_size", None))
     n = (len(ids) - 1) // block_size
     x, y = ids[: n * block_size].reshape(n, block_size), ids[1 : n * block_size + 1].reshape(n, block_size)
