@@ -65,6 +65,7 @@ def test_an_infinite_logit_takes_all_the_probability(temperature, top_k):
         ([0.0, np.nan, 1.0], "sample_next: the logits of row 1 hold NaN"),
         ([-np.inf, -np.inf, -np.inf], "sample_next: every logit of row 1 is -inf"),
     ],
+    ids=["nan", "all -inf"],
 )
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_logits_without_a_distribution_are_refused(row, match, temperature):
@@ -117,6 +118,7 @@ def test_generate_refuses_nan_logits_and_names_itself(L, use_cache):
         ([1, 2, 3, 4], ValueError, "lm_eval_loss: ids has 4 tokens, fewer than one window"),
         ([[1, 2, 3, 4, 5], [1, 2, 3, 4, 5]], ValueError, r"lm_eval_loss: ids expected a 1-D array.*\(2, 5\)"),
     ],
+    ids=["-1", "V", "float", "bool", "3 ids", "4 ids", "2-D"],
 )
 def test_lm_eval_loss_refuses_ids_it_cannot_score(L, ids, exc, match):
     with pytest.raises(exc, match=match):
@@ -141,6 +143,7 @@ def test_lm_eval_loss_still_scores_a_python_list_of_ids(L):
         ("list x", TypeError, "lm_train_step: x expected a numpy.ndarray.* of token ids \\(B, T\\), got list"),
         ("list y", TypeError, "lm_train_step: y expected a numpy.ndarray.* of token ids \\(B, T\\), got list"),
     ],
+    ids=["empty", "list x", "list y"],
 )
 def test_lm_train_step_refuses_before_any_change(L, what, exc, match):
     m, opt, loss_fn = lm_setup(L)
@@ -207,6 +210,7 @@ def test_the_numpy_door_prints_the_step_itself():
         (dict(backoff=1.0), r"LossScaler: backoff must be in \(0, 1\), got 1.0"),
         (dict(backoff=0), r"LossScaler: backoff must be in \(0, 1\), got 0"),
     ],
+    ids=["init_scale 0", "init_scale 0.0", "backoff 1", "backoff 0"],
 )
 def test_loss_scaler_refuses_a_scale_that_could_never_recover(L, kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -234,6 +238,7 @@ def mixed_setup(L):
         (dict(clip_norm=float("inf")), ValueError, "train_step_mixed: clip_norm must be in"),
         (dict(scaler=2.0), TypeError, "train_step_mixed: scaler expected a LossScaler or None, got float"),
     ],
+    ids=["lr -1", "lr nan", "lr str", "clip_norm -1", "clip_norm inf", "scaler float"],
 )
 def test_a_failed_mixed_step_leaves_the_scaler_model_and_optimizer(L, kwargs, exc, match):
     m, opt, scaler, loss_fn = mixed_setup(L)
@@ -302,6 +307,7 @@ def _tamper(L, sd, part, value):
         ("exp_avg", np.inf, r"exp_avg\[0\] holds non-finite values"),
         ("eps", 0.0, "eps must be > 0"),
     ],
+    ids=["exp_avg_sq -1", "exp_avg_sq nan", "exp_avg nan", "exp_avg inf", "eps 0"],
 )
 def test_load_state_dict_refuses_moments_no_run_can_have(L, part, value, match):
     m, opt, _ = lm_setup(L, L.make_adam)
