@@ -12,7 +12,7 @@ import numpy as np
 
 from .validate import check_real, check_seed, check_size
 
-__all__ = ["check_token_window", "check_generate", "as_numpy_rng", "sample_next"]
+__all__ = ["check_token_window", "check_generate", "as_numpy_rng", "sample_next", "check_logits"]
 
 
 def check_token_window(owner: str, shape: tuple, offset: int, max_len: int) -> int:
@@ -49,21 +49,56 @@ def check_generate(owner: str, prompt_length: int, max_new_tokens, temperature, 
     return n, temperature, top_k, as_numpy_rng(owner, rng)
 
 
-def sample_next(logits: np.ndarray, temperature: float, top_k: int | None, rng: np.random.Generator) -> np.ndarray:
+def sample_next(logits: np.ndarray, temperature: float, top_k: int | None, rng: np.random.Generator, *,
+                name: str = "sample_next") -> np.ndarray:  # fmt: skip
     """One token per row from logits (B, V): argmax if temperature == 0, else a draw from softmax(logits / T)
     restricted to the top_k largest logits (all of them if None; ties with the k-th are kept).
 
     The draw is by inverse CDF: one uniform u per row, the token is the first whose cumulative probability exceeds
     u times the total. A zero-probability token is never chosen. Returns (B,) int64.
+
+    Infinities are the limits of softmax: a +inf logit takes all the probability (several +inf share it equally;
+    argmax takes the first), a -inf one none. A temperature so small that logits / T overflows gives the limit
+    T -> 0: the largest logit (ties shared equally). A NaN logit, or a row whose logits are all -inf, has no
+    distribution to draw from: FloatingPointError naming `name` (the caller, e.g. GPT.generate), before any draw.
     """
     logits = np.asarray(logits, dtype=np.float64)
+    check_logits(name, logits)
     if temperature == 0:
         return logits.argmax(axis=-1).astype(np.int64)  # the first of equal maxima, as torch.argmax
-    z = logits / temperature
+    z = _scaled(logits, temperature)
     if top_k is not None:
         kth = np.sort(z, axis=-1)[:, -top_k, None]  # (B, 1): the k-th largest
         z = np.where(z >= kth, z, -np.inf)
-    p = np.exp(z - z.max(axis=-1, keepdims=True))  # (B, V), unnormalized
+    with np.errstate(over="ignore"):  # a gap beyond the float range (a tiny temperature) is -inf: probability 0
+        p = np.exp(z - z.max(axis=-1, keepdims=True))  # (B, V), unnormalized
     cdf = np.cumsum(p, axis=-1)
     u = rng.random(len(p))[:, None] * cdf[:, -1:]  # (B, 1), in [0, total)
     return np.minimum((cdf <= u).sum(axis=-1), p.shape[-1] - 1).astype(np.int64)
+
+
+def check_logits(name: str, logits: np.ndarray) -> None:
+    """Logits (B, V) with a distribution in every row: no NaN, and not every logit -inf."""
+    nan = np.isnan(logits).any(axis=-1)
+    if nan.any():
+        raise FloatingPointError(
+            f"{name}: the logits of row {int(nan.argmax())} hold NaN: no distribution to sample from (are the "
+            "model's weights finite?)"
+        )
+    dead = (logits == -np.inf).all(axis=-1)
+    if dead.any():
+        raise FloatingPointError(f"{name}: every logit of row {int(dead.argmax())} is -inf: no token can be drawn")
+
+
+def _scaled(logits: np.ndarray, temperature: float) -> np.ndarray:
+    """logits / temperature, with the limits of softmax where that has none: a row holding +inf logits becomes 0
+    there and -inf elsewhere; if the division overflows (a tiny temperature), the gaps to the row's largest logit
+    are divided instead (0 for the largest, -inf for the rest: the same softmax, without inf - inf)."""
+    top = np.isposinf(logits)
+    if top.any():
+        logits = np.where(top.any(axis=-1, keepdims=True), np.where(top, 0.0, -np.inf), logits)
+    with np.errstate(over="ignore"):
+        z = logits / temperature
+        if (np.isinf(z) & np.isfinite(logits)).any():
+            z = (logits - logits.max(axis=-1, keepdims=True)) / temperature
+    return z

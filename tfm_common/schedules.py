@@ -71,8 +71,12 @@ class LossScaler:
     def __init__(self, init_scale: float = 2.0**16, growth: float = 2.0, backoff: float = 0.5,
                  growth_interval: int = 2000):  # fmt: skip
         self.scale = check_real("LossScaler", "init_scale", init_scale, 0.0)
+        if not self.scale > 0:  # a scale of 0 makes every gradient 0 / 0 = nan: every step skipped, forever
+            raise ValueError(f"LossScaler: init_scale must be > 0, got {init_scale!r}")
         self.growth = check_real("LossScaler", "growth", growth, 1.0)
         self.backoff = check_real("LossScaler", "backoff", backoff, 0.0, 1.0)
+        if not 0 < self.backoff < 1:  # 1: an overflow would never lower the scale; 0: it would set it to 0
+            raise ValueError(f"LossScaler: backoff must be in (0, 1), got {backoff!r}")
         self.growth_interval = check_size("LossScaler", "growth_interval", growth_interval)
         self.good_steps = 0  # steps since the last overflow or growth
         self.overflows = 0  # steps skipped so far

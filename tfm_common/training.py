@@ -16,6 +16,7 @@ makes each track's public `train` and `evaluate` of them.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import sys
@@ -30,12 +31,13 @@ import numpy as np
 from .data import PAD_ID, Batch, Vocab
 from .metrics import corpus_bleu, exact_match
 from .parallel import check_micro_batches, split_batch
-from .schedules import check_cooldown, cooldown_scale, noam_lr
-from .validate import check_choice, check_size
+from .schedules import LossScaler, check_cooldown, cooldown_scale, noam_lr
+from .validate import check_choice, check_real, check_size
 
-__all__ = ["check_finite_step", "check_step", "check_mixed", "HALF", "History", "StepResult", "MixedStepResult",
-           "record_overflow", "eval_mode", "Track", "track_functions", "steps_taken", "fit", "Evaluation",
-           "batch_stream", "evaluate_pairs"]  # fmt: skip
+__all__ = ["check_finite_step", "check_step", "check_batch", "check_mixed", "with_door", "check_lm_windows",
+           "check_mixed_step", "check_lm_ids", "check_distinct_params", "check_adam_eps", "check_moment", "HALF",
+           "History", "StepResult", "MixedStepResult", "record_overflow", "eval_mode", "Track", "track_functions",
+           "steps_taken", "fit", "Evaluation", "batch_stream", "evaluate_pairs"]  # fmt: skip
 
 HALF = ("float16", "bfloat16")  # the 16-bit formats of mixed precision
 _NOT_GIVEN = object()
@@ -78,10 +80,10 @@ def check_step(name: str, model_params, optimizer_params, *, batch=_NOT_GIVEN, m
     where the step takes one, and every parameter the optimizer updates one of the model's. An optimizer made for
     another model, or before the model was rebuilt (a notebook cell run again), would step those parameters with
     this model's gradients never applied: the loss would not move, and nothing would say why."""
-    if batch is not _NOT_GIVEN and not isinstance(batch, Batch):
-        raise TypeError(f"{name}: batch expected a tfm_common.data.Batch, got {type(batch).__name__}")
-    if micro_batches is not _NOT_GIVEN:
-        check_micro_batches(name, micro_batches)
+    if batch is not _NOT_GIVEN:
+        check_batch(name, batch)
+    if micro_batches is not _NOT_GIVEN and not sum(map(len, check_micro_batches(name, micro_batches))):
+        raise ValueError(f"{name}: micro_batches hold no rows: {_EMPTY}")
     own, params = {id(p) for p in model_params}, list(optimizer_params)
     stray = sum(id(p) not in own for p in params)
     if stray:
@@ -89,6 +91,104 @@ def check_step(name: str, model_params, optimizer_params, *, batch=_NOT_GIVEN, m
             f"{name}: {stray} of the optimizer's {len(params)} parameters are not this model's: was the optimizer "
             "made for another model, or before the model was rebuilt? Make it after the model (make_adam(model))"
         )
+
+
+_EMPTY = (
+    "an empty batch has no loss to follow, and the step would still move the weights (weight decay) and the step count"
+)
+
+
+def check_batch(name: str, batch) -> None:
+    """A step's `batch`: a `Batch` with at least one row."""
+    if not isinstance(batch, Batch):
+        raise TypeError(f"{name}: batch expected a tfm_common.data.Batch, got {type(batch).__name__}")
+    if not len(batch):
+        raise ValueError(f"{name}: batch holds no rows (src shape {batch.src.shape}): {_EMPTY}")
+
+
+def with_door(func: Callable, check: Callable) -> Callable:
+    """`func` behind a door: the public function runs `check(**arguments)` (the call's arguments by name, defaults
+    filled in) and then `func` itself. For a step function a chapter prints with its one line of checking: the
+    door refuses the rest before the step changes anything, and `show_source` (as `inspect`) still reads `func`
+    through `__wrapped__`."""
+    signature = inspect.signature(func)
+
+    @functools.wraps(func)
+    def door(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        check(**bound.arguments)
+        return func(*args, **kwargs)
+
+    return door
+
+
+def check_lm_windows(name: str, x, y, arrays: tuple[type, ...], words: str) -> None:
+    """`lm_train_step`'s windows: x and y arrays of a type in `arrays` (named by `words`; a nested list is refused
+    in both tracks), x not an empty batch (B = 0 would give the loss 0 and still take an optimizer step). Their
+    dtypes, shapes and values are the model's and the loss's to check."""
+    for arg, a in (("x", x), ("y", y)):
+        if not isinstance(a, arrays):
+            raise TypeError(f"{name}: {arg} expected {words} of token ids (B, T), got {type(a).__name__}")
+    if len(x.shape) == 2 and x.shape[0] == 0:
+        raise ValueError(f"{name}: x holds no windows (shape {tuple(x.shape)}): {_EMPTY}")
+
+
+def check_mixed_step(name: str, batch, lr, scaler, clip_norm) -> None:
+    """`train_step_mixed`'s batch, lr, scaler and clip_norm, before anything runs: the scaler follows every step it
+    sees, so a step refused later (at the update) would have moved the scale already."""
+    check_batch(name, batch)
+    check_real(name, "lr", lr, 0.0, nonfinite=ValueError)
+    if scaler is not None and not isinstance(scaler, LossScaler):
+        raise TypeError(f"{name}: scaler expected a LossScaler or None, got {type(scaler).__name__}")
+    if clip_norm is not None:
+        check_real(name, "clip_norm", clip_norm, 0.0, nonfinite=ValueError)
+
+
+def check_lm_ids(name: str, ids, block_size, vocab_size: int | None) -> tuple[np.ndarray, int]:
+    """`lm_eval_loss`'s token array: 1-D integers (not bools, not floats: truncating them would score other
+    tokens) in [0, vocab_size) (every one of them is a target; -1 would score token V - 1), at least one window
+    of block_size inputs and their targets. Returns (ids as int64, block_size)."""
+    block_size = check_size(name, "block_size", block_size)
+    a = np.asarray(ids)
+    if a.dtype == np.bool_ or not np.issubdtype(a.dtype, np.integer):
+        raise TypeError(f"{name}: ids expected integer token ids, got dtype {a.dtype}")
+    if a.ndim != 1:
+        raise ValueError(f"{name}: ids expected a 1-D array of token ids, got shape {a.shape}")
+    bad = (a < 0) if vocab_size is None else (a < 0) | (a >= vocab_size)
+    if bad.any():
+        allowed = "[0, inf)" if vocab_size is None else f"[0, {vocab_size})"
+        raise ValueError(f"{name}: ids: values must be in {allowed}, got {a[bad][0]} (and {int(bad.sum()) - 1} more)")
+    if len(a) < block_size + 1:
+        raise ValueError(
+            f"{name}: ids has {len(a)} tokens, fewer than one window: block_size={block_size} inputs need "
+            f"{block_size + 1} tokens"
+        )
+    return a.astype(np.int64), block_size
+
+
+def check_distinct_params(name: str, params: list) -> None:
+    """Each parameter once: an optimizer would update a repeated one twice per step, and a norm count it twice."""
+    if len({id(p) for p in params}) != len(params):
+        raise ValueError(
+            f"{name}: params contains the same Parameter twice (an optimizer would update it twice per step, a norm "
+            "count it twice)"
+        )
+
+
+def check_adam_eps(name: str, eps: float) -> None:
+    """eps > 0: with eps = 0 a parameter whose gradient entry is 0 at the first steps gets 0 / 0 = nan."""
+    if not eps > 0:
+        raise ValueError(f"{name}: eps must be > 0 (m / (sqrt(v) + eps) is 0 / 0 where v = 0), got {eps!r}")
+
+
+def check_moment(name: str, part: str, i: int, finite: bool, negative: bool) -> None:
+    """One of Adam's stored moments: finite, and exp_avg_sq (a mean of squares) never negative: a crafted or
+    corrupted state would otherwise turn the weights into nan at the next step, or steer it silently."""
+    if not finite:
+        raise ValueError(f"{name}: {part}[{i}] holds non-finite values (nan or inf): not the state of a finite run")
+    if negative:
+        raise ValueError(f"{name}: {part}[{i}] holds negative values: a running mean of squared gradients cannot")
 
 
 class StepResult(NamedTuple):

@@ -163,7 +163,9 @@ class GPT(GPTDoor, Module):
         None); temperature=0 is greedy (argmax). `rng` (a numpy Generator or int seed; None: seed 0) draws one
         uniform per row and step, in both tracks (tfm_common.sampling.sample_next), so the two tracks sample
         the same tokens from the same weights and seed. use_cache=False re-runs the whole sequence at every step
-        (the same tokens, slower). Eval mode (no dropout) for the call; the caller's mode is restored.
+        (the same tokens, slower). Eval mode (no dropout) for the call; the caller's mode is restored. Logits with
+        no distribution (a NaN, e.g. from a NaN weight, or a row all -inf) raise FloatingPointError; +inf logits and
+        a temperature too small for logits / T are taken at softmax's limits (see `sample_next`).
         """
         n, temperature, top_k, rng = self._check_generate(tokens, max_new_tokens, temperature, top_k, rng)
         out = tokens.astype(np.int64)
@@ -174,7 +176,7 @@ class GPT(GPTDoor, Module):
                     logits = self.forward(out)[:, -1]  # (B, V): the whole sequence again
                 else:
                     logits = self.forward_step(out if i == 0 else out[:, -1:], cache)[:, -1]  # the new token only
-                nxt = sample_next(logits, temperature, top_k, rng)  # (B,)
+                nxt = sample_next(logits, temperature, top_k, rng, name="GPT.generate")  # (B,)
                 out = np.concatenate([out, nxt[:, None]], axis=1)
         self._cache = None
         return out

@@ -29,7 +29,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from tfm_common.schedules import noam_lr
-from tfm_common.training import check_finite_step
+from tfm_common.training import check_adam_eps, check_distinct_params, check_finite_step, check_moment
 from tfm_common.validate import check_adam_args, check_real
 
 from .module import Module, Parameter
@@ -57,8 +57,7 @@ def _param_list(params, name: str) -> list[Parameter]:
     for i, p in enumerate(params):
         if not isinstance(p, Parameter):
             raise TypeError(f"{name}: params[{i}] expected a tfm_numpy Parameter, got {type(p).__name__}")
-    if len({id(p) for p in params}) != len(params):
-        raise ValueError(f"{name}: params contains the same Parameter twice (it would be updated twice per step)")
+    check_distinct_params(name, params)
     return params
 
 
@@ -78,6 +77,7 @@ class Adam:
         if not self.params:
             raise ValueError(f"{name}: params is empty: nothing to optimize")
         self.lr, self.betas, self.eps, self.weight_decay = check_adam_args(name, lr, betas, eps, weight_decay)
+        check_adam_eps(name, self.eps)
         self.step_count = 0
         self.exp_avg = [np.zeros_like(p.data) for p in self.params]
         self.exp_avg_sq = [np.zeros_like(p.data) for p in self.params]
@@ -187,8 +187,10 @@ class Adam:
             for i, (a, p) in enumerate(zip(arrays, self.params, strict=True)):
                 if a.shape != p.data.shape:
                     raise ValueError(f"{name}: {part}[{i}] expected shape {p.data.shape}, got {a.shape}")
+                _check_moment(name, part, i, a)
             moments[part] = [a.astype(p.data.dtype, copy=True) for a, p in zip(arrays, self.params, strict=True)]
         hyper = check_adam_args(name, state["lr"], state["betas"], state["eps"], state["weight_decay"])
+        check_adam_eps(name, hyper[2])
         self.lr, self.betas, self.eps, self.weight_decay = hyper
         self.step_count = int(step)
         self.exp_avg, self.exp_avg_sq = moments["exp_avg"], moments["exp_avg_sq"]
@@ -198,6 +200,13 @@ class Adam:
             f"{type(self).__name__}(lr={self.lr:g}, betas={self.betas}, eps={self.eps:g}, "
             f"weight_decay={self.weight_decay:g}, params={len(self.params)}, step_count={self.step_count})"
         )
+
+
+def _check_moment(name: str, part: str, i: int, a: np.ndarray) -> None:
+    """A stored moment: numbers (a string or object array is refused), finite, exp_avg_sq never negative."""
+    if not (np.issubdtype(a.dtype, np.floating) or np.issubdtype(a.dtype, np.integer)) or a.dtype == np.bool_:
+        raise TypeError(f"{name}: {part}[{i}] expected an array of floats, got dtype {a.dtype}")
+    check_moment(name, part, i, bool(np.isfinite(a).all()), part == "exp_avg_sq" and bool((a < 0).any()))
 
 
 class AdamW(Adam):
@@ -243,6 +252,7 @@ def make_adamw(model: Module, lr: float = 1e-3, betas=(0.9, 0.98), eps: float = 
 
 def set_lr(optimizer: Adam, lr: float) -> None:
     """Set the learning rate for the next step (the torch track sets every param group's "lr")."""
+    check_real("set_lr", "lr", lr, 0.0, nonfinite=ValueError)  # the words of the torch track's set_lr
     optimizer.lr = lr
 
 

@@ -27,7 +27,16 @@ import numpy as np
 from tfm_common.data import Batch
 from tfm_common.parallel import check_micro_batches, generators, micro_weights, run_processes, split_batch, wrap_layers
 from tfm_common.schedules import LossScaler
-from tfm_common.training import HALF, MixedStepResult, StepResult, check_mixed, check_step, record_overflow
+from tfm_common.training import (
+    HALF,
+    MixedStepResult,
+    StepResult,
+    check_mixed,
+    check_mixed_step,
+    check_step,
+    record_overflow,
+    with_door,
+)
 from tfm_common.validate import check_choice, check_flag, check_size
 
 from .loss import CrossEntropyLoss
@@ -405,3 +414,12 @@ def train_step_mixed(
         return MixedStepResult(loss, norm, True, scale)
     apply_update("train_step_mixed", optimizer, loss, lr, clip_norm)  # clipping, lr, Adam's step (float32)
     return MixedStepResult(loss, norm, False, scale)
+
+
+def _check_mixed_step(batch, lr, scaler, clip_norm, **_) -> None:
+    check_mixed_step("train_step_mixed", batch, lr, scaler, clip_norm)
+
+
+# batch, lr, scaler and clip_norm checked before the printed step runs (a step refused at its update must not move
+# the scale)
+train_step_mixed = with_door(train_step_mixed, _check_mixed_step)

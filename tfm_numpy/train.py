@@ -18,7 +18,18 @@ from __future__ import annotations
 import numpy as np
 
 from tfm_common.data import BOS_ID, EOS_ID, Batch
-from tfm_common.training import Evaluation, History, StepResult, Track, check_step, eval_mode, track_functions
+from tfm_common.training import (
+    Evaluation,
+    History,
+    StepResult,
+    Track,
+    check_lm_ids,
+    check_lm_windows,
+    check_step,
+    eval_mode,
+    track_functions,
+    with_door,
+)
 from tfm_common.validate import check_size
 
 from .checkpoint import save_checkpoint
@@ -71,12 +82,20 @@ def lm_train_step(model: Module, x, y, optimizer: Adam, loss_fn: CrossEntropyLos
     return StepResult(float(loss), norm)
 
 
+def _check_lm_step(model, x, y, **_) -> None:
+    check_lm_windows("lm_train_step", x, y, (np.ndarray,), "a numpy.ndarray")
+
+
+lm_train_step = with_door(lm_train_step, _check_lm_step)  # the windows checked before the printed step runs
+
+
 def lm_eval_loss(model: Module, ids, block_size: int, batch_size: int = 32) -> tuple[float, np.ndarray]:
     """The mean next-token loss (nats) over a token array cut into consecutive windows of block_size tokens (each
     window starts a fresh context; the tail that does not fill a window is left out), in eval mode.
-    Returns (mean loss, the targets scored (n_windows, block_size)): with their byte count, bits per byte."""
-    ids = np.asarray(ids, dtype=np.int64)
-    n = (len(ids) - 1) // check_size("lm_eval_loss", "block_size", block_size)
+    Returns (mean loss, the targets scored (n_windows, block_size)): with their byte count, bits per byte.
+    `ids`: 1-D integer ids in [0, vocab_size), at least block_size + 1 of them (one window and its targets)."""
+    ids, block_size = check_lm_ids("lm_eval_loss", ids, block_size, getattr(model, "vocab_size", None))
+    n = (len(ids) - 1) // block_size
     x, y = ids[: n * block_size].reshape(n, block_size), ids[1 : n * block_size + 1].reshape(n, block_size)
     total = 0.0
     with eval_mode(model):

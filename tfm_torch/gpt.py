@@ -112,7 +112,7 @@ class GPT(GPTDoor, Module):
                     logits = self.forward(out)[:, -1]
                 else:
                     logits = self.forward_step(out if i == 0 else out[:, -1:], cache)[:, -1]
-                nxt = sample_next(logits.double().cpu().numpy(), temperature, top_k, rng)
+                nxt = sample_next(logits.double().cpu().numpy(), temperature, top_k, rng, name="GPT.generate")
                 out = torch.cat([out, torch.from_numpy(nxt).to(out.device)[:, None]], dim=1)
         return out
 

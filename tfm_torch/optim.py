@@ -12,15 +12,12 @@ Setting `opt.lr = noam_lr(step, ...)` before each step, as the NumPy track does,
 
 from __future__ import annotations
 
-import math
-import numbers
-
 import torch
 from torch import nn
 
 from tfm_common.schedules import noam_lr
-from tfm_common.training import check_finite_step, steps_taken
-from tfm_common.validate import check_adam_args
+from tfm_common.training import check_adam_eps, check_distinct_params, check_finite_step, check_moment, steps_taken
+from tfm_common.validate import check_adam_args, check_real
 
 __all__ = [
     "Adam",
@@ -37,7 +34,21 @@ __all__ = [
 
 
 class _LrAndSteps:
-    """`opt.lr` (get: the one lr of every param group; set: all of them) and `opt.step_count`, as tfm_numpy's."""
+    """`opt.lr` (get: the one lr of every param group; set: all of them) and `opt.step_count`, as tfm_numpy's; and
+    what tfm_numpy's Adam refuses and torch lets through: eps = 0, a parameter given twice (torch only warns), and
+    a state_dict of the other optimizer (Adam's into AdamW, or back) or with non-finite moments."""
+
+    def __init__(self, params, **hyper):
+        name = type(self).__name__
+        check_adam_eps(name, hyper["eps"])
+        if not torch.is_tensor(params):  # one tensor: torch's own TypeError
+            params = [_group_copy(g) if isinstance(g, dict) else g for g in params]
+            check_distinct_params(name, [p for g in params for p in (g["params"] if isinstance(g, dict) else [g])])
+        super().__init__(params, **hyper)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        _check_adam_state(type(self).__name__, self, state_dict)
+        super().load_state_dict(state_dict)
 
     @property
     def lr(self) -> float:
@@ -48,11 +59,45 @@ class _LrAndSteps:
 
     @lr.setter
     def lr(self, value: float) -> None:
+        check_real(type(self).__name__, "lr", value, 0.0, nonfinite=ValueError)  # named as tfm_numpy's
         set_lr(self, value)
 
     @property
     def step_count(self) -> int:
         return steps_taken(self)
+
+
+def _group_copy(group: dict) -> dict:
+    """A param group with its "params" as a list (a generator read once here would be empty for torch)."""
+    params = group.get("params", [])
+    return {**group, "params": [params] if torch.is_tensor(params) else list(params)}
+
+
+def _decoupled(groups) -> bool:
+    return any(bool(g.get("decoupled_weight_decay", False)) for g in groups if isinstance(g, dict))
+
+
+def _check_adam_state(owner: str, optimizer, state_dict) -> None:
+    """Before torch's load_state_dict changes anything: the state of the same kind of optimizer (torch would load
+    AdamW's decoupled_weight_decay=True into an Adam, which would then take AdamW steps; tfm_numpy's .npz refuses),
+    and finite moments, exp_avg_sq >= 0 (as tfm_numpy's). The structure itself is torch's to check."""
+    name = f"{owner}.load_state_dict"
+    if not isinstance(state_dict, dict) or not isinstance(state_dict.get("param_groups"), list):
+        return
+    stored = "AdamW" if _decoupled(state_dict["param_groups"]) else "Adam"
+    own = "AdamW" if _decoupled(optimizer.param_groups) else "Adam"
+    if stored != own:
+        raise ValueError(f"{name}: state_dict holds {stored} state, the optimizer is {own}")
+    for g in state_dict["param_groups"]:
+        if isinstance(g, dict) and isinstance(g.get("eps"), float | int):
+            check_adam_eps(name, g["eps"])
+    states = state_dict.get("state")
+    for i, st in states.items() if isinstance(states, dict) else ():
+        for part in ("exp_avg", "exp_avg_sq"):
+            t = st.get(part) if isinstance(st, dict) else None
+            if torch.is_tensor(t) and (t.is_floating_point() or t.is_complex()):
+                negative = part == "exp_avg_sq" and bool((t < 0).any())
+                check_moment(name, part, i, bool(torch.isfinite(t).all()), negative)
 
 
 class Adam(_LrAndSteps, torch.optim.Adam):
@@ -88,8 +133,7 @@ def make_adamw(model: nn.Module, lr: float = 1e-3, betas=(0.9, 0.98), eps: float
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     """Set the learning rate of every param group for the next step (any torch optimizer)."""
-    if isinstance(lr, bool) or not isinstance(lr, numbers.Real) or not lr >= 0 or math.isinf(lr):
-        raise ValueError(f"set_lr: lr must be a finite float >= 0, got {lr!r}")
+    lr = check_real("set_lr", "lr", lr, 0.0, nonfinite=ValueError)  # as tfm_numpy's: TypeError for a non-number
     for group in optimizer.param_groups:
         group["lr"] = float(lr)
 
@@ -99,8 +143,9 @@ def clip_grad_norm(params, max_norm: float) -> float:
     norm is at most `max_norm` (each multiplied by min(max_norm / (total + 1e-6), 1)); return the norm before."""
     if isinstance(params, nn.Module):
         params = params.parameters()
-    if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real) or not max_norm >= 0:
-        raise ValueError(f"clip_grad_norm: max_norm must be a float >= 0, got {max_norm!r}")
+    params = [params] if torch.is_tensor(params) else list(params)
+    check_distinct_params("clip_grad_norm", params)  # torch would count a repeated one twice in the norm
+    max_norm = check_real("clip_grad_norm", "max_norm", max_norm, 0.0, nonfinite=ValueError)  # inf too, as NumPy
     return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
 
 

@@ -19,7 +19,15 @@ from torch.utils.checkpoint import checkpoint
 from tfm_common.data import Batch, make_batches
 from tfm_common.parallel import generators, micro_weights, run_processes, split_batch, wrap_layers
 from tfm_common.schedules import LossScaler
-from tfm_common.training import HALF, MixedStepResult, StepResult, check_mixed, check_step, record_overflow
+from tfm_common.training import (
+    HALF,
+    MixedStepResult,
+    StepResult,
+    check_mixed,
+    check_mixed_step,
+    check_step,
+    record_overflow,
+)
 from tfm_common.validate import check_choice, check_flag, check_size
 
 from .loss import CrossEntropyLoss
@@ -293,6 +301,7 @@ def train_step_mixed(
     stored in `half`, float32 master weights, unscaling and Adam; an overflow skips the step. (The library's
     layers accept float32/float64 only, so `torch.autocast`, which hands 16-bit tensors from layer to layer,
     runs on `torch.nn` modules, not on these: see chapter 20.)"""
+    check_mixed_step("train_step_mixed", batch, lr, scaler, clip_norm)  # before the scaler sees the step
     params = optimizer_params(optimizer)
     check_mixed(model.parameters(), params, params[0].dtype, torch.float32, half)
     scale = 1.0 if scaler is None else scaler.scale

@@ -14,7 +14,17 @@ import torch
 from torch import nn
 
 from tfm_common.data import BOS_ID, EOS_ID, Batch
-from tfm_common.training import Evaluation, History, StepResult, Track, check_step, eval_mode, track_functions
+from tfm_common.training import (
+    Evaluation,
+    History,
+    StepResult,
+    Track,
+    check_lm_ids,
+    check_lm_windows,
+    check_step,
+    eval_mode,
+    track_functions,
+)
 from tfm_common.validate import check_size
 
 from .checkpoint import save_checkpoint
@@ -63,8 +73,10 @@ train, evaluate = track_functions(TRACK)
 
 
 def lm_train_step(model: nn.Module, x, y, optimizer: torch.optim.Optimizer, loss_fn, lr: float, clip_norm=None):
-    """One update on windows x (B, T) and next tokens y (B, T) (NumPy arrays or tensors), as tfm_numpy's.
+    """One update on windows x (B, T) and next tokens y (B, T) (NumPy arrays or tensors; a nested list is refused,
+    as in tfm_numpy, and so is an empty batch), as tfm_numpy's.
     Returns (loss before the update, gradient norm before clipping)."""
+    check_lm_windows("lm_train_step", x, y, (np.ndarray, torch.Tensor), "a numpy.ndarray or torch.Tensor")
     check_step("lm_train_step", model.parameters(), optimizer_params(optimizer))
     device = next(model.parameters()).device
     x, y = (torch.as_tensor(a).to(device) for a in (x, y))
@@ -78,9 +90,9 @@ def lm_train_step(model: nn.Module, x, y, optimizer: torch.optim.Optimizer, loss
 @torch.no_grad()
 def lm_eval_loss(model: nn.Module, ids, block_size: int, batch_size: int = 32) -> tuple[float, np.ndarray]:
     """Mean next-token loss (nats) over consecutive windows of a token array, as tfm_numpy's; returns (loss, the
-    targets scored (n_windows, block_size) as a NumPy array)."""
-    ids = np.asarray(ids, dtype=np.int64)
-    n = (len(ids) - 1) // check_size("lm_eval_loss", "block_size", block_size)
+    targets scored (n_windows, block_size) as a NumPy array). `ids` are checked as there."""
+    ids, block_size = check_lm_ids("lm_eval_loss", ids, block_size, getattr(model, "vocab_size", None))
+    n = (len(ids) - 1) // block_size
     x, y = ids[: n * block_size].reshape(n, block_size), ids[1 : n * block_size + 1].reshape(n, block_size)
     device, total = next(model.parameters()).device, 0.0
     with eval_mode(model):
