@@ -39,8 +39,9 @@ from typing import NamedTuple
 import numpy as np
 
 __all__ = ["FORMAT", "VERSION", "READABLE_VERSIONS", "NpzContents", "library_version", "describe_model", "build_model",
-           "tied_groups_of", "check_model_config", "check_ties", "check_optim_meta", "check_optim_type", "META_KEY",
-           "normalize_extra", "check_state", "atomic_write", "zip_kind", "write_npz", "read_npz"]  # fmt: skip
+           "tied_groups_of", "check_model_config", "check_ties", "same_values", "check_optim_meta", "check_optim_type",
+           "META_KEY", "normalize_extra", "check_state", "atomic_write", "zip_kind", "write_npz",
+           "read_npz"]  # fmt: skip
 
 FORMAT = "transformer-twice-checkpoint"
 VERSION = 2
@@ -132,18 +133,27 @@ def check_model_config(stored: dict | None, own: dict | None, name: str, path) -
         )
 
 
-def check_ties(groups: list[list[str]], state: dict, equal: Callable, name: str) -> None:
-    """Each group lists the names of one tied parameter of the model; the file must hold one value under all of
-    them. Different values mean the file comes from a model without that tie: refuse rather than pick one."""
+def check_ties(groups: list[list[str]], state: dict, equal: Callable, name: str, what: str = "checkpoint") -> None:
+    """Each group lists the names of one tied parameter of the model; the file (`what`: or a state_dict) must hold
+    one value under all of them. Different values mean the file comes from a model without that tie: refuse rather
+    than let the last name win. `equal` counts NaN equal to NaN (`same_values`): a tied weight that went NaN is one
+    value under two names, and saves and loads as any other."""
+    why = {"checkpoint": "it was written by a model without this tie (tie_output / share_embeddings differ)"}
     for keys in groups:
         present = [k for k in keys if k in state]
         for k in present[1:]:
             if not equal(state[present[0]], state[k]):
                 raise ValueError(
-                    f"{name}: '{present[0]}' and '{k}' are one tied parameter in this model, but the checkpoint holds "
-                    "different values for them: it was written by a model without this tie (tie_output / "
-                    "share_embeddings differ)"
+                    f"{name}: '{present[0]}' and '{k}' are one tied parameter in this model, but the {what} holds "
+                    f"different values for them: "
+                    + why.get(what, "give both names the same value (which one was meant cannot be told)")
                 )
+
+
+def same_values(a, b) -> bool:
+    """NumPy arrays (or anything np.asarray takes) of one shape and equal values, NaN equal to NaN."""
+    a, b = np.asarray(a), np.asarray(b)
+    return a.shape == b.shape and bool(np.array_equal(a, b, equal_nan=a.dtype.kind in "fc" and b.dtype.kind in "fc"))
 
 
 def normalize_extra(extra, name: str) -> dict:

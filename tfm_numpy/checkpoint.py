@@ -20,6 +20,7 @@ from tfm_common.npz_checkpoint import (
     check_ties,
     describe_model,
     read_npz,
+    same_values,
     tied_groups_of,
     write_npz,
 )
@@ -88,7 +89,7 @@ def _load_into(contents: NpzContents, model: Module, optimizer: Adam | None, pat
     for k, v in state.items():
         if v.dtype.kind != "f":
             raise TypeError(f"{name}: model key '{k}' holds {v.dtype} values, expected floats")
-    check_ties(tied_groups(model), state, np.array_equal, name)
+    check_ties(tied_groups(model), state, same_values, name)
     if optimizer is not None:
         if optim is None:
             raise KeyError(f"{name}: {str(path)!r} holds no optimizer state (saved without an optimizer)")

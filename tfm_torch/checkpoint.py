@@ -38,7 +38,7 @@ from tfm_common.npz_checkpoint import (
     zip_kind,
 )
 
-from .module import Module
+from .module import Module, same_tensor_values
 
 __all__ = ["save_checkpoint", "load_checkpoint", "load_model", "export_npz", "tied_groups"]
 
@@ -110,7 +110,7 @@ def _load_into(contents: tuple, model: nn.Module, optimizer, path, name: str) ->
     for k, v in state.items():
         if not torch.is_tensor(v) or not v.is_floating_point():
             raise TypeError(f"{name}: model key '{k}' holds {getattr(v, 'dtype', type(v).__name__)}, expected floats")
-    check_ties(tied_groups(model), state, torch.equal, name)
+    check_ties(tied_groups(model), state, same_tensor_values, name)
     optim_sd = None
     if optimizer is not None:
         if optim is None:

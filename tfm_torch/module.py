@@ -13,6 +13,7 @@ import threading
 import numpy as np
 import torch
 
+from tfm_common.npz_checkpoint import check_ties, tied_groups_of
 from tfm_common.validate import check_probability as check_probability  # re-exported: the layers' import
 from tfm_common.validate import check_seed
 
@@ -24,10 +25,17 @@ def as_generator(rng: torch.Generator | int | None) -> torch.Generator:
     return torch.Generator().manual_seed(0 if rng is None else check_seed("rng", rng))
 
 
+DTYPE_NAMES = ("float32", "float64")  # the names both tracks accept for dtype
+
+
 def check_dtype(dtype) -> torch.dtype:
+    """torch.float32 or torch.float64, or the name "float32" / "float64": one rule with tfm_numpy (which takes NumPy
+    dtypes and the same two names); None is torch's default dtype."""
     dtype = torch.get_default_dtype() if dtype is None else dtype
+    if isinstance(dtype, str) and dtype in DTYPE_NAMES:
+        dtype = getattr(torch, dtype)
     if dtype not in (torch.float32, torch.float64):
-        raise TypeError(f"dtype: expected torch.float32 or torch.float64, got {dtype}")
+        raise TypeError(f"dtype: expected torch.float32 or torch.float64 (or their names {DTYPE_NAMES}), got {dtype!r}")
     return dtype
 
 
@@ -89,6 +97,15 @@ def check_indices(name: str, x, high: int, ignore: int | None = None) -> torch.T
     if bad.any():
         raise ValueError(f"{name}: values must be in {allowed}, got {x[bad][0].item()} (and {int(bad.sum()) - 1} more)")
     return x
+
+
+def same_tensor_values(a, b) -> bool:
+    """Tensors of one shape and equal values, NaN equal to NaN (two names of one tied weight that went NaN hold one
+    value); anything else passes here and is refused by torch's own loading."""
+    if not (torch.is_tensor(a) and torch.is_tensor(b)):
+        return True
+    b = b.to(a.device)
+    return a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan())).all())
 
 
 # -- the door: a call from outside the library is checked once, as in tfm_numpy (see its module.py) ------------------
@@ -154,4 +171,6 @@ class Module(torch.nn.Module):
             if name in own and tuple(getattr(value, "shape", ())) != tuple(own[name].shape):
                 got = tuple(value.shape) if hasattr(value, "shape") else type(value).__name__
                 raise ValueError(f"load_state_dict: '{name}' expected shape {tuple(own[name].shape)}, got {got}")
+        groups = tied_groups_of(self.named_parameters(remove_duplicate=False))  # torch would let the last name win
+        check_ties(groups, state, same_tensor_values, "load_state_dict", what="state_dict")
         return super().load_state_dict(state, strict=strict, assign=assign)
