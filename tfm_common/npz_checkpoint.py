@@ -38,10 +38,12 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .config import config_numbers
+
 __all__ = ["FORMAT", "VERSION", "READABLE_VERSIONS", "NpzContents", "library_version", "describe_model", "build_model",
            "tied_groups_of", "check_model_config", "check_ties", "same_values", "check_optim_meta", "check_optim_type",
            "META_KEY", "normalize_extra", "check_state", "atomic_write", "zip_kind", "write_npz",
-           "read_npz"]  # fmt: skip
+           "read_npz", "check_config_size", "UNSTORED_ALLOWANCE"]  # fmt: skip
 
 FORMAT = "transformer-twice-checkpoint"
 VERSION = 2
@@ -50,6 +52,9 @@ META_KEY = "__meta__"
 OPTIM_SCALARS = ("step", "lr", "betas", "eps", "weight_decay")
 OPTIM_TYPES = ("Adam", "AdamW")
 DTYPES = ("float32", "float64")
+# Beyond the numbers a file stores, what its configuration may ask a loader to allocate: the tables a model computes
+# rather than stores (sinusoidal and rotary positions, Swin's window masks). 2**24 numbers: 64 MB in float32.
+UNSTORED_ALLOWANCE = 2**24
 
 
 class NpzContents(NamedTuple):
@@ -79,9 +84,26 @@ def describe_model(model, dtype: str) -> dict | None:
     return {"class": type(model).__name__, "config": json.loads(json.dumps(config)), "dtype": dtype}
 
 
-def build_model(meta: dict | None, base: type, package: str, dtype, as_dtype: Callable[[str], object], path, name: str):
+def check_config_size(meta: dict, shapes: dict, path, name: str) -> None:
+    """Refuse a configuration that asks for more numbers than the file stores (`shapes`: {key: shape} of its model
+    arrays) plus UNSTORED_ALLOWANCE, before anything is built: a few KB that declare vocab_size=10**9 and
+    d_model=10**4 cost integer arithmetic, not 40 TB. Exact shapes are compared once the model is built."""
+    stored = sum(math.prod(shape) for shape in shapes.values())
+    asked = config_numbers(meta["class"], meta["config"])
+    if asked > stored + UNSTORED_ALLOWANCE:
+        sizes = ", ".join(f"{k}={v!r}" for k, v in meta["config"].items() if isinstance(v, int | list | tuple))
+        raise ValueError(
+            f"{name}: {os.fspath(path)!r} declares a {meta['class']} of at least {asked:.3g} numbers "
+            f"({sizes:.300}), but stores {stored} (allowed: stored + {UNSTORED_ALLOWANCE} for computed tables): its "
+            "configuration does not describe its arrays (a damaged or crafted file); nothing was built"
+        )
+
+
+def build_model(
+    meta: dict | None, base: type, package: str, dtype, as_dtype: Callable[[str], object], path, name: str, shapes: dict
+):
     """The bare model that `meta` (`describe_model`'s dict) describes, in `dtype` (None: the recorded dtype's name
-    made a dtype by `as_dtype`).
+    made a dtype by `as_dtype`), once `check_config_size` has compared its size with the stored arrays' `shapes`.
 
     The class is looked up among the public subclasses of `base` (the track's Module) defined in `package`
     ("tfm_numpy" or "tfm_torch"): a checkpoint names one of the library's classes, never arbitrary code. The
@@ -100,6 +122,7 @@ def build_model(meta: dict | None, base: type, package: str, dtype, as_dtype: Ca
             classes[cls.__name__] = cls
     if meta["class"] not in classes:
         raise ValueError(f"{name}: {where} names a model class {meta['class']!r} that {package} does not have")
+    check_config_size(meta, shapes, path, name)
     try:
         return classes[meta["class"]](**meta["config"], dtype=as_dtype(meta["dtype"]) if dtype is None else dtype)
     except (TypeError, ValueError) as e:

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
-
 from tfm_common.npz_checkpoint import (
     NpzContents,
     build_model,
@@ -25,7 +23,7 @@ from tfm_common.npz_checkpoint import (
     write_npz,
 )
 
-from .module import Module
+from .module import Module, check_dtype
 from .optim import Adam
 
 __all__ = ["save_checkpoint", "load_checkpoint", "load_model", "tied_groups"]
@@ -67,7 +65,8 @@ def load_model(path, dtype=None) -> Module:
     `extra`, call `load_checkpoint(path, model, optimizer)` on the result."""
     name = "load_model"
     contents = read_npz(path, name)
-    model = build_model(contents.model_meta, Module, "tfm_numpy", dtype, np.dtype, path, name)
+    shapes = {k: v.shape for k, v in contents.model.items()}
+    model = build_model(contents.model_meta, Module, "tfm_numpy", dtype, check_dtype, path, name, shapes)
     _load_into(contents, model, None, path, name)
     return model
 

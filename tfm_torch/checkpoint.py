@@ -79,7 +79,8 @@ def load_model(path, dtype: torch.dtype | None = None) -> nn.Module:
     """As tfm_numpy.load_model, from either track's file; `dtype` torch.float32 or torch.float64."""
     name = "load_model"
     contents = _read_any(path, name)
-    model = build_model(contents[3], Module, "tfm_torch", dtype, functools.partial(getattr, torch), path, name)
+    shapes = {k: tuple(getattr(v, "shape", ())) for k, v in contents[0].items()}  # not a tensor: refused later
+    model = build_model(contents[3], Module, "tfm_torch", dtype, functools.partial(getattr, torch), path, name, shapes)
     _load_into(contents, model, None, path, name)
     return model
 
