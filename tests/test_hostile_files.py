@@ -5,11 +5,13 @@ gives a documented result; a crafted checkpoint is refused before anything is bu
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
 import sys
 import textwrap
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -52,7 +54,6 @@ def test_bpe_merges_are_pairs_of_int_ids(pair):
     [
         (lambda: ByteBPE(pattern=b"(unclosed"), ValueError, "ByteBPE: pattern is not a valid regular expression"),
         (lambda: ByteBPE(pattern="\u20ac+"), ValueError, "ByteBPE: pattern as a str must hold only latin-1"),
-        (lambda: ByteBPE(pattern=3), TypeError, "ByteBPE: pattern expected bytes, str or None, got int"),
         (lambda: ByteBPE.train("ab ab", 260, pretokenize="[a-"), ValueError, "pretokenize is not a valid regular"),
         (lambda: ByteBPE.train("ab ab", 260, pretokenize="\u20ac"), ValueError, "pretokenize as a str must hold"),
     ],
@@ -152,13 +153,45 @@ CLAIMS = {  # what a few KB of file may declare: far more than it stores
 }
 
 
+def _huge_header(tmp_path) -> Path:
+    """A checkpoint whose 'model/embed.weight' entry is a .npy header claiming (10**6, 10**4) float32 and 64 bytes."""
+    path = tn.save_checkpoint(tmp_path / "header.npz", gpt(tn))
+    with zipfile.ZipFile(path) as z:
+        entries = {n: z.read(n) for n in z.namelist()}
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {"descr": "<f4", "fortran_order": False, "shape": (10**6, 10**4)})
+    entries["model/embed.weight.npy"] = header.getvalue() + bytes(64)
+    with zipfile.ZipFile(path, "w") as z:
+        for n, data in entries.items():
+            z.writestr(n, data)
+    return path
+
+
+def _stride_0_view(tmp_path) -> Path:
+    """A torch file whose embedding is one stored number viewed as (10**6, 10**4) with stride 0, and a configuration
+    that matches that claimed shape: shapes alone would call it 10**10 stored numbers."""
+    path = tt.save_checkpoint(tmp_path / "view.pt", gpt(tt))
+    ckpt = torch.load(path, weights_only=True)
+    ckpt["model_meta"]["config"].update(vocab_size=10**6, d_model=10**4, n_heads=1)
+    view = torch.zeros(1).as_strided((10**6, 10**4), (0, 0))
+    ckpt["model"]["embed.weight"] = ckpt["model"]["output_projection.weight"] = view
+    torch.save(ckpt, path)
+    return path
+
+
 def _crafted(tmp_path, kind: str, claim: str) -> Path:
+    if claim == "npy header":
+        return _huge_header(tmp_path)
+    if claim == "stride-0 view":
+        return _stride_0_view(tmp_path)
     if kind == "npz":
         return _rewrite_npz_config(tn.save_checkpoint(tmp_path / f"{claim}.npz", gpt(tn)), **CLAIMS[claim])
     return _rewrite_pt_config(tt.save_checkpoint(tmp_path / f"{claim}.pt", gpt(tt)), **CLAIMS[claim])
 
 
-@pytest.mark.parametrize("claim", CLAIMS)
+# In this process only the claims that fail fast on an unguarded loader (a regression must not take the machine's
+# memory); every claim runs in the child process below, under an address-space limit.
+@pytest.mark.parametrize("claim", ["vocab 1e9 x d_model 1e4", "huge ints"])
 @pytest.mark.parametrize("L, kind", [(tn, "npz"), (tt, "npz"), (tt, "pt")], ids=["numpy-npz", "torch-npz", "torch-pt"])
 def test_a_crafted_configuration_is_refused_before_building(L, kind, claim, tmp_path):
     path = _crafted(tmp_path, kind, claim)
@@ -191,10 +224,9 @@ def test_crafted_checkpoints_are_refused_under_a_memory_limit(tmp_path):
     RuntimeError), so a ValueError naming the declared size shows the refusal came before building."""
     for part in ("n", "tn", "tp"):
         (tmp_path / part).mkdir()
-    jobs = [("numpy", str(_crafted(tmp_path / "n", "npz", c))) for c in CLAIMS]
-    jobs += [
-        ("torch", str(_crafted(tmp_path / d, kind, c))) for d, kind in (("tn", "npz"), ("tp", "pt")) for c in CLAIMS
-    ]
+    jobs = [("numpy", str(_crafted(tmp_path / "n", "npz", c))) for c in [*CLAIMS, "npy header"]]
+    jobs += [("torch", str(_crafted(tmp_path / "tn", "npz", c))) for c in [*CLAIMS, "npy header"]]
+    jobs += [("torch", str(_crafted(tmp_path / "tp", "pt", c))) for c in [*CLAIMS, "stride-0 view"]]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     run = subprocess.run([sys.executable, "-c", textwrap.dedent(CHILD), json.dumps(jobs)], capture_output=True,
                          text=True, timeout=300, env=env, cwd=ROOT)  # fmt: skip
@@ -205,6 +237,22 @@ def test_crafted_checkpoints_are_refused_under_a_memory_limit(tmp_path):
     ]
     assert not bad, bad
     assert max(t for *_, t in results) < 5.0  # a guard against a hang; each refusal takes milliseconds
+
+
+@TRACKS
+def test_an_npy_header_claiming_more_than_its_entry_holds_is_refused(L, tmp_path):
+    path = _huge_header(tmp_path)
+    with refused_before_allocating(limit=16 * 2**20):
+        with pytest.raises(ValueError, match=r"'model/embed.weight.npy' declares shape \(1000000, 10000\) of float32 "
+                                             r"\(40000000000 bytes\) but holds 64 bytes"):  # fmt: skip
+            L.load_model(path)
+    with pytest.raises(ValueError, match="declares shape"):
+        L.load_checkpoint(path, gpt(L))
+
+
+def test_a_torch_view_counts_the_numbers_it_stores_not_its_shape(tmp_path):
+    with pytest.raises(ValueError, match=r"declares a GPT of at least 1e\+10 numbers .*, but stores \d{3} "):
+        tt.load_model(_stride_0_view(tmp_path))
 
 
 @pytest.mark.parametrize(

@@ -84,14 +84,14 @@ def describe_model(model, dtype: str) -> dict | None:
     return {"class": type(model).__name__, "config": json.loads(json.dumps(config)), "dtype": dtype}
 
 
-def check_config_size(meta: dict, shapes: dict, path, name: str) -> None:
-    """Refuse a configuration that asks for more numbers than the file stores (`shapes`: {key: shape} of its model
-    arrays) plus UNSTORED_ALLOWANCE, before anything is built: a few KB that declare vocab_size=10**9 and
-    d_model=10**4 cost integer arithmetic, not 40 TB. Exact shapes are compared once the model is built."""
-    stored = sum(math.prod(shape) for shape in shapes.values())
+def check_config_size(meta: dict, stored: int, path, name: str) -> None:
+    """Refuse a configuration that asks for more numbers than the file stores (`stored`: the numbers its model arrays
+    hold, not the numbers their shapes claim: a torch view may repeat one value with stride 0) plus
+    UNSTORED_ALLOWANCE, before anything is built: a few KB that declare vocab_size=10**9 and d_model=10**4 cost
+    integer arithmetic, not 40 TB. Exact shapes are compared once the model is built."""
     asked = config_numbers(meta["class"], meta["config"])
     if asked > stored + UNSTORED_ALLOWANCE:
-        sizes = ", ".join(f"{k}={v!r}" for k, v in meta["config"].items() if isinstance(v, int | list | tuple))
+        sizes = ", ".join(f"{k}={v!r}" for k, v in meta["config"].items() if type(v) in (int, list, tuple))
         raise ValueError(
             f"{name}: {os.fspath(path)!r} declares a {meta['class']} of at least {asked:.3g} numbers "
             f"({sizes:.300}), but stores {stored} (allowed: stored + {UNSTORED_ALLOWANCE} for computed tables): its "
@@ -100,10 +100,10 @@ def check_config_size(meta: dict, shapes: dict, path, name: str) -> None:
 
 
 def build_model(
-    meta: dict | None, base: type, package: str, dtype, as_dtype: Callable[[str], object], path, name: str, shapes: dict
+    meta: dict | None, base: type, package: str, dtype, as_dtype: Callable[[str], object], path, name: str, stored: int
 ):
     """The bare model that `meta` (`describe_model`'s dict) describes, in `dtype` (None: the recorded dtype's name
-    made a dtype by `as_dtype`), once `check_config_size` has compared its size with the stored arrays' `shapes`.
+    made a dtype by `as_dtype`), once `check_config_size` has compared its size with the numbers the file `stored`.
 
     The class is looked up among the public subclasses of `base` (the track's Module) defined in `package`
     ("tfm_numpy" or "tfm_torch"): a checkpoint names one of the library's classes, never arbitrary code. The
@@ -122,7 +122,7 @@ def build_model(
             classes[cls.__name__] = cls
     if meta["class"] not in classes:
         raise ValueError(f"{name}: {where} names a model class {meta['class']!r} that {package} does not have")
-    check_config_size(meta, shapes, path, name)
+    check_config_size(meta, stored, path, name)
     try:
         return classes[meta["class"]](**meta["config"], dtype=as_dtype(meta["dtype"]) if dtype is None else dtype)
     except (TypeError, ValueError) as e:
@@ -286,6 +286,7 @@ def read_npz(path, name: str) -> NpzContents:
         if not isinstance(z, np.lib.npyio.NpzFile):
             raise ValueError("a single .npy array, not an .npz archive")
         with z:
+            _check_entry_sizes(z.zip)
             arrays = {k: z[k] for k in z.files}
     except Exception as e:  # BadZipFile, CRC errors, EOFError, format errors, pickled data refused, ...
         raise ValueError(
@@ -319,6 +320,25 @@ def read_npz(path, name: str) -> NpzContents:
             f"missing {missing}, not recorded {unrecorded}"
         )
     return NpzContents(model, optim, meta.get("extra") or {}, meta.get("model"))
+
+
+def _check_entry_sizes(archive: zipfile.ZipFile) -> None:
+    """Each .npy entry's header declares a shape and a dtype: refuse one that declares more bytes than the entry holds
+    before NumPy reserves memory for it (a few bytes of header may claim terabytes)."""
+    for info in archive.infolist():
+        if not info.filename.endswith(".npy"):
+            continue
+        with archive.open(info) as f:
+            version = np.lib.format.read_magic(f)
+            read_header = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+            if version not in read_header:
+                continue  # NumPy's own reader refuses or reads it
+            shape, _, dtype = read_header[version](f, max_header_size=10_000)
+            declared, held = math.prod(shape) * dtype.itemsize, info.file_size - f.tell()
+        if declared > held:
+            raise ValueError(
+                f"entry {info.filename!r} declares shape {shape} of {dtype} ({declared} bytes) but holds {held} bytes"
+            )
 
 
 def _read_meta(raw: np.ndarray, path: str, name: str) -> dict:

@@ -65,8 +65,8 @@ def load_model(path, dtype=None) -> Module:
     `extra`, call `load_checkpoint(path, model, optimizer)` on the result."""
     name = "load_model"
     contents = read_npz(path, name)
-    shapes = {k: v.shape for k, v in contents.model.items()}
-    model = build_model(contents.model_meta, Module, "tfm_numpy", dtype, check_dtype, path, name, shapes)
+    stored = sum(v.size for v in contents.model.values())  # read_npz checked that each entry holds its bytes
+    model = build_model(contents.model_meta, Module, "tfm_numpy", dtype, check_dtype, path, name, stored)
     _load_into(contents, model, None, path, name)
     return model
 

@@ -186,6 +186,12 @@ class Module:
       raises RuntimeError instead of adding the same gradients into `.grad` again (torch refuses a second backward
       through freed buffers the same way). A module without parameters (an activation, dropout, the loss) only
       returns a gradient and adds nothing, so calling its backward again, e.g. with another grad_out, is allowed.
+
+    `state_dict()` returns copies: `best = model.state_dict()` keeps those values while training goes on. torch's
+    `state_dict()` (tfm_torch) returns the live tensors instead (detached, sharing the parameters' storage): there
+    `best` changes with every step unless copied (`{k: v.clone() for k, v in ...}`). Both tracks keep their own
+    library's semantics; code that keeps a best state in either track copies it. `load_state_dict` refuses two names
+    of one tied parameter holding different values (as a checkpoint is refused), rather than let the last one win.
     """
 
     _kept_inputs: tuple[str, ...] | None = None

@@ -79,10 +79,18 @@ def load_model(path, dtype: torch.dtype | None = None) -> nn.Module:
     """As tfm_numpy.load_model, from either track's file; `dtype` torch.float32 or torch.float64."""
     name = "load_model"
     contents = _read_any(path, name)
-    shapes = {k: tuple(getattr(v, "shape", ())) for k, v in contents[0].items()}  # not a tensor: refused later
-    model = build_model(contents[3], Module, "tfm_torch", dtype, functools.partial(getattr, torch), path, name, shapes)
+    stored = sum(_numbers_held(v) for v in contents[0].values())
+    model = build_model(contents[3], Module, "tfm_torch", dtype, functools.partial(getattr, torch), path, name, stored)
     _load_into(contents, model, None, path, name)
     return model
+
+
+def _numbers_held(v) -> int:
+    """How many numbers a file's tensor holds: its storage's, when a view claims more (stride 0 repeats one value
+    over any shape); 0 for what is not a tensor (refused later)."""
+    if not torch.is_tensor(v):
+        return 0
+    return min(v.numel(), v.untyped_storage().nbytes() // max(v.element_size(), 1))
 
 
 def tied_groups(model: nn.Module) -> list[list[str]]:

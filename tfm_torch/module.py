@@ -148,6 +148,12 @@ class Module(torch.nn.Module):
     (tfm_numpy takes tensors), so one state_dict loads into either track. Every module of this track derives from
     it; torch calls the override of the module it loads into, and walks the children itself. Its forwards (and
     `encode`, `decode`, ...) run `_check_forward` (`_check_decode`, ...) at the outermost call only, as tfm_numpy's.
+
+    `state_dict()` is torch's own and returns the live tensors (detached, sharing the parameters' storage): after
+    `best = model.state_dict()`, every optimizer step changes `best` too. Keep a best state as a copy:
+    `best = {k: v.clone() for k, v in model.state_dict().items()}` (or `copy.deepcopy(model)`). tfm_numpy's
+    `state_dict()` returns copies; each track keeps its library's semantics. `load_state_dict` also refuses two names
+    of one tied parameter holding different values (torch's own would let the last one win silently).
     """
 
     def __init_subclass__(cls, **kwargs) -> None:
