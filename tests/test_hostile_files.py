@@ -239,6 +239,28 @@ def test_crafted_checkpoints_are_refused_under_a_memory_limit(tmp_path):
     assert max(t for *_, t in results) < 5.0  # a guard against a hang; each refusal takes milliseconds
 
 
+@pytest.mark.parametrize("L, kind", [(tn, "npz"), (tt, "npz"), (tt, "pt")], ids=["numpy-npz", "torch-npz", "torch-pt"])
+def test_a_file_naming_a_layer_class_is_not_built_from_its_sizes(L, kind, tmp_path):
+    """A layer records no configuration, so no honest file names one; a crafted one would pass the file's sizes
+    straight to its constructor (Linear(10**9, 10**4))."""
+    path = _crafted(tmp_path, kind, "vocab 1e9 x d_model 1e4")
+    meta_class, config = "Linear", {"in_features": 10**9, "out_features": 10**4}
+    if kind == "npz":
+        with np.load(path, allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+        meta = json.loads(str(arrays[META_KEY][()]))
+        meta["model"].update({"class": meta_class, "config": config})
+        arrays[META_KEY] = np.array(json.dumps(meta))
+        np.savez(path, **arrays)
+    else:
+        ckpt = torch.load(path, weights_only=True)
+        ckpt["model_meta"].update({"class": meta_class, "config": config})
+        torch.save(ckpt, path)
+    with refused_before_allocating(limit=16 * 2**20):
+        with pytest.raises(ValueError, match="names a Linear, which records no configuration: only a Transformer"):
+            L.load_model(path)
+
+
 @TRACKS
 def test_an_npy_header_claiming_more_than_its_entry_holds_is_refused(L, tmp_path):
     path = _huge_header(tmp_path)

@@ -205,15 +205,19 @@ def _ns(c: dict, key: str) -> list[int]:
     )
 
 
-def config_numbers(model: str, c: dict) -> int:
+def config_numbers(model: str, c: dict) -> int | None:
     """A lower bound on how many numbers (parameters, and the tables a model computes rather than stores: sinusoidal
     and rotary positions, Swin's window masks) the constructor of `model` ("Transformer", "GPT", "ViT", "Swin")
     allocates for configuration `c`: integer arithmetic, nothing allocated. A checkpoint's configuration must not
     ask for more than the file stores plus a bounded allowance for the tables (`npz_checkpoint.check_config_size`),
-    so a 15 KB file that declares vocab_size=10**9 is refused before a model is built from it. 0 for another class.
+    so a 15 KB file that declares vocab_size=10**9 is refused before a model is built from it. None for another
+    class (one that records no configuration, so no file of it can be built: a lone layer is built by the caller).
     """
     d, n_layers, d_ff, max_len = _n(c, "d_model"), _n(c, "n_layers"), _n(c, "d_ff"), _n(c, "max_len")
-    if model == "Transformer":  # embeddings, positions (a table or weights) in both stacks, feed-forward weights
+    if model in (
+        "Transformer",
+        "ReferenceTransformer",
+    ):  # embeddings, positions (a table or weights) in both stacks, feed-forward weights
         return d * (_n(c, "src_vocab_size") + _n(c, "tgt_vocab_size") + 2 * max_len) + 4 * n_layers * d * d_ff
     if model == "GPT":  # rope keeps a table of d_head / 2 cosines and sines per position
         per_position = d // _n(c, "n_heads") if c.get("positional") == "rope" else d
@@ -228,4 +232,4 @@ def config_numbers(model: str, c: dict) -> int:
             depth * 2 * ratio * (d * 2**i) ** 2 + (grid // 2**i * m) ** 2 for i, depth in enumerate(_ns(c, "depths"))
         )
         return d * channels * patch**2 + stages + classes * d
-    return 0
+    return None

@@ -90,6 +90,11 @@ def check_config_size(meta: dict, stored: int, path, name: str) -> None:
     UNSTORED_ALLOWANCE, before anything is built: a few KB that declare vocab_size=10**9 and d_model=10**4 cost
     integer arithmetic, not 40 TB. Exact shapes are compared once the model is built."""
     asked = config_numbers(meta["class"], meta["config"])
+    if asked is None:  # a layer's constructor would take any size from the file: none records a configuration
+        raise ValueError(
+            f"{name}: {os.fspath(path)!r} names a {meta['class']}, which records no configuration: only a "
+            "Transformer, GPT, ViT or Swin is built from a file (build the module yourself and use load_checkpoint)"
+        )
     if asked > stored + UNSTORED_ALLOWANCE:
         sizes = ", ".join(f"{k}={v!r}" for k, v in meta["config"].items() if type(v) in (int, list, tuple))
         raise ValueError(
