@@ -43,6 +43,14 @@ def test_bpe_decode_refuses_a_dict_or_a_set(ids):
         ByteBPE().decode(ids)
 
 
+@pytest.mark.parametrize("ids", [torch.tensor([True, False]), torch.tensor([104.0])], ids=["bool", "float"])
+def test_bpe_decode_refuses_bool_and_float_tensors(ids):
+    with pytest.raises(
+        TypeError, match="ByteBPE.decode: ids expected integer token ids, got dtype torch.(bool|float32)"
+    ):
+        ByteBPE().decode(ids)
+
+
 @pytest.mark.parametrize("pair", [(True, False), (104, True), 104, "ab"])
 def test_bpe_merges_are_pairs_of_int_ids(pair):
     with pytest.raises(ValueError, match=r"ByteBPE: merge 0 must be a pair of ids below 256 \(ints, not bools\)"):
@@ -74,6 +82,10 @@ def test_a_latin_1_str_pattern_still_works():
         ({"format": "tfm_common.bpe.ByteBPE", "version": 1, "merges": {}, "pattern": None}, "no valid 'merges'"),
         ({"format": "tfm_common.bpe.ByteBPE", "version": 1, "merges": []}, "has no valid 'pattern' entry"),
         ({"format": "tfm_common.bpe.ByteBPE", "version": 1, "merges": [7], "pattern": None}, "merge 0 must be"),
+        (
+            {"format": "tfm_common.bpe.ByteBPE", "version": 1, "merges": [], "pattern": None, "merge_counts": 3},
+            "merge_counts must be a list of ints",
+        ),
         ("{not json", "is not a saved ByteBPE .not JSON"),
     ],
 )

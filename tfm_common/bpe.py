@@ -252,6 +252,11 @@ class ByteBPE:
         # a dict or a set iterates, but over keys or in no order: not a sequence of ids
         if isinstance(ids, (str, bytes, Mapping, AbstractSet)) or not hasattr(ids, "__iter__"):
             raise TypeError(f"ByteBPE.decode: ids expected a sequence of ints, got {type(ids).__name__}")
+        kind = str(
+            getattr(ids, "dtype", "")
+        )  # an array or tensor of bools or floats: its items pass as ints one by one
+        if any(word in kind for word in ("bool", "float", "complex")):
+            raise TypeError(f"ByteBPE.decode: ids expected integer token ids, got dtype {kind}")
         shape = tuple(getattr(ids, "shape", ()))
         if len(shape) > 1:  # e.g. generate()'s (B, T): one row at a time
             raise ValueError(f"ByteBPE.decode: ids expected one sequence (1-D), got shape {shape}; decode each row")
@@ -290,7 +295,10 @@ class ByteBPE:
                 raise ValueError(f"ByteBPE.load: {path} has no valid {key!r} entry (a damaged or edited file?)")
         merges = [tuple(p) if isinstance(p, list) else p for p in state["merges"]]
         bpe = cls(merges, state["pattern"])
-        bpe.merge_counts = list(state.get("merge_counts", []))
+        counts = state.get("merge_counts", [])
+        if not isinstance(counts, list) or not all(type(c) is int for c in counts):
+            raise ValueError(f"ByteBPE.load: {path}: merge_counts must be a list of ints, got {counts!r:.80}")
+        bpe.merge_counts = counts
         return bpe
 
     def __eq__(self, other) -> bool:
