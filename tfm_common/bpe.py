@@ -252,9 +252,8 @@ class ByteBPE:
         # a dict or a set iterates, but over keys or in no order: not a sequence of ids
         if isinstance(ids, (str, bytes, Mapping, AbstractSet)) or not hasattr(ids, "__iter__"):
             raise TypeError(f"ByteBPE.decode: ids expected a sequence of ints, got {type(ids).__name__}")
-        kind = str(
-            getattr(ids, "dtype", "")
-        )  # an array or tensor of bools or floats: its items pass as ints one by one
+        # an array or tensor of bools or floats: one by one, its items would pass as ints
+        kind = str(getattr(ids, "dtype", ""))
         if any(word in kind for word in ("bool", "float", "complex")):
             raise TypeError(f"ByteBPE.decode: ids expected integer token ids, got dtype {kind}")
         shape = tuple(getattr(ids, "shape", ()))

@@ -207,17 +207,16 @@ def _ns(c: dict, key: str) -> list[int]:
 
 def config_numbers(model: str, c: dict) -> int | None:
     """A lower bound on how many numbers (parameters, and the tables a model computes rather than stores: sinusoidal
-    and rotary positions, Swin's window masks) the constructor of `model` ("Transformer", "GPT", "ViT", "Swin")
-    allocates for configuration `c`: integer arithmetic, nothing allocated. A checkpoint's configuration must not
-    ask for more than the file stores plus a bounded allowance for the tables (`npz_checkpoint.check_config_size`),
-    so a 15 KB file that declares vocab_size=10**9 is refused before a model is built from it. None for another
-    class (one that records no configuration, so no file of it can be built: a lone layer is built by the caller).
+    and rotary positions, Swin's window masks) the constructor of `model` allocates for configuration `c`: integer
+    arithmetic, nothing allocated. `model`: "Transformer" (or tfm_torch's "ReferenceTransformer"), "GPT", "ViT" or
+    "Swin"; None for another class (one that records no configuration, so no file of it is built from its sizes).
+    A checkpoint's configuration must not ask for more than the file stores plus a bounded allowance for the tables
+    (`npz_checkpoint.check_config_size`), so a 15 KB file that declares vocab_size=10**9 is refused before a model
+    is built from it.
     """
     d, n_layers, d_ff, max_len = _n(c, "d_model"), _n(c, "n_layers"), _n(c, "d_ff"), _n(c, "max_len")
-    if model in (
-        "Transformer",
-        "ReferenceTransformer",
-    ):  # embeddings, positions (a table or weights) in both stacks, feed-forward weights
+    # Transformer: embeddings, positions (a table or weights) in both stacks, feed-forward weights
+    if model in ("Transformer", "ReferenceTransformer"):
         return d * (_n(c, "src_vocab_size") + _n(c, "tgt_vocab_size") + 2 * max_len) + 4 * n_layers * d * d_ff
     if model == "GPT":  # rope keeps a table of d_head / 2 cosines and sines per position
         per_position = d // _n(c, "n_heads") if c.get("positional") == "rope" else d

@@ -18,6 +18,11 @@ Version 2 (this one) records the model's configuration, and loading refuses a mo
 `tie_output=False` file from a `tie_output=True` model. Version 1 files (no configuration) still load into a model
 the caller builds; `check_ties` then still refuses a file whose aliases of one tied weight hold different values.
 Every field of `__meta__` is checked (type, range, agreement with the arrays present) before anything is allocated.
+What a file can ask for is bounded by what it holds: each .npy entry's header must not declare more bytes than the
+entry holds (`read_npz`), and `load_model` builds a model only when the size its configuration declares
+(`tfm_common.config.config_numbers`) is within the numbers the file stores plus UNSTORED_ALLOWANCE for the tables a
+model computes (`check_config_size`); the exact shapes are compared once it is built. A crafted file that declares a
+vocabulary of 10**9 is refused in milliseconds, whatever it claims.
 
 Errors are clear at this boundary: a truncated or corrupted file, a file that is not a checkpoint, a missing
 or unexpected key (KeyError, naming it) and a wrong shape (ValueError, naming the key and both shapes).
@@ -51,7 +56,7 @@ READABLE_VERSIONS = (1, 2)
 META_KEY = "__meta__"
 OPTIM_SCALARS = ("step", "lr", "betas", "eps", "weight_decay")
 OPTIM_TYPES = ("Adam", "AdamW")
-DTYPES = ("float32", "float64")
+DTYPES = ("float32", "float64")  # the dtype names a file records, and the names both tracks accept for `dtype`
 # Beyond the numbers a file stores, what its configuration may ask a loader to allocate: the tables a model computes
 # rather than stores (sinusoidal and rotary positions, Swin's window masks). 2**24 numbers: 64 MB in float32.
 UNSTORED_ALLOWANCE = 2**24

@@ -16,12 +16,12 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from tfm_common.npz_checkpoint import DTYPES as DTYPE_NAMES  # the names both tracks accept for dtype
 from tfm_common.npz_checkpoint import check_ties, same_values, tied_groups_of
 from tfm_common.validate import check_probability as check_probability  # re-exported: the layers' import
 from tfm_common.validate import check_seed
 
 FLOAT_DTYPES = (np.float32, np.float64)
-DTYPE_NAMES = ("float32", "float64")  # the names both tracks accept for dtype
 
 
 class Parameter:

@@ -13,6 +13,7 @@ import threading
 import numpy as np
 import torch
 
+from tfm_common.npz_checkpoint import DTYPES as DTYPE_NAMES  # the names both tracks accept for dtype
 from tfm_common.npz_checkpoint import check_ties, tied_groups_of
 from tfm_common.validate import check_probability as check_probability  # re-exported: the layers' import
 from tfm_common.validate import check_seed
@@ -23,9 +24,6 @@ def as_generator(rng: torch.Generator | int | None) -> torch.Generator:
     if isinstance(rng, torch.Generator):
         return rng
     return torch.Generator().manual_seed(0 if rng is None else check_seed("rng", rng))
-
-
-DTYPE_NAMES = ("float32", "float64")  # the names both tracks accept for dtype
 
 
 def check_dtype(dtype) -> torch.dtype:
