@@ -29,6 +29,8 @@ import heapq
 import json
 import re
 from collections import Counter, defaultdict
+from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 
 from tfm_common.validate import check_size
@@ -133,6 +135,35 @@ def _learn_merges(chunk_counts: dict[bytes, int], n_merges: int, min_count: int)
     return merges, merge_counts
 
 
+def _check_pattern(owner: str, arg: str, pattern) -> bytes | None:
+    """A pretokenizer pattern as bytes (a str must hold only latin-1 characters, one byte each), compiled once
+    here so that a broken regular expression is refused by name, not by `re` halfway through encoding."""
+    if pattern is None:
+        return None
+    if isinstance(pattern, str):
+        try:
+            pattern = pattern.encode("latin-1")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"{owner}: {arg} as a str must hold only latin-1 characters (one byte each), "
+                             f"got {pattern!r:.80}: {e.reason} at {e.start}") from None  # fmt: skip
+    if not isinstance(pattern, bytes):
+        raise TypeError(f"{owner}: {arg} expected bytes, str or None, got {type(pattern).__name__}")
+    try:
+        re.compile(pattern)
+    except re.error as e:
+        raise ValueError(f"{owner}: {arg} is not a valid regular expression: {e} (got {pattern!r:.80})") from None
+    return pattern
+
+
+def _check_merge(k: int, pair) -> None:
+    """Merge k: a pair of ids (ints, not bools) that exist before it, i.e. below 256 + k."""
+    ok = isinstance(pair, (tuple, list)) and len(pair) == 2
+    if not ok or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 256 + k for i in pair):
+        raise ValueError(
+            f"ByteBPE: merge {k} must be a pair of ids below {256 + k} (ints, not bools), got {pair!r:.80}"
+        )
+
+
 class ByteBPE:
     """A byte-level BPE: `ByteBPE.train(data, vocab_size)` learns one; `ByteBPE(merges, pattern)` rebuilds one.
 
@@ -141,16 +172,11 @@ class ByteBPE:
     """
 
     def __init__(self, merges=(), pattern: bytes | str | None = DEFAULT_PATTERN):
-        if isinstance(pattern, str):
-            pattern = pattern.encode("latin-1")
-        if pattern is not None and not isinstance(pattern, bytes):
-            raise TypeError(f"ByteBPE: pattern expected bytes, str or None, got {type(pattern).__name__}")
-        self.pattern = pattern
+        self.pattern = _check_pattern("ByteBPE", "pattern", pattern)
         self.merges: list[tuple[int, int]] = []
         self._vocab = [bytes([b]) for b in range(256)]  # id -> its bytes
         for k, pair in enumerate(merges):
-            if len(pair) != 2 or not all(isinstance(i, int) and 0 <= i < 256 + k for i in pair):
-                raise ValueError(f"ByteBPE: merge {k} must be a pair of ids below {256 + k}, got {pair!r}")
+            _check_merge(k, pair)
             self.merges.append((int(pair[0]), int(pair[1])))
             self._vocab.append(self._vocab[pair[0]] + self._vocab[pair[1]])
         self._ranks = {pair: k for k, pair in enumerate(self.merges)}  # pair -> when it was learned
@@ -172,7 +198,7 @@ class ByteBPE:
         elif pretokenize is False:
             pattern = None
         elif isinstance(pretokenize, (bytes, str)):
-            pattern = pretokenize.encode("latin-1") if isinstance(pretokenize, str) else pretokenize
+            pattern = _check_pattern("ByteBPE.train", "pretokenize", pretokenize)
         else:
             raise TypeError(f"ByteBPE.train: pretokenize expected True, False or a pattern, got {pretokenize!r}")
         chunk_counts = Counter(globals()["pretokenize"](data, pattern))  # the function, not the argument
@@ -223,8 +249,13 @@ class ByteBPE:
 
     def _check_sequence(self, ids) -> list:
         """One sequence of known ids, as a list."""
-        if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+        # a dict or a set iterates, but over keys or in no order: not a sequence of ids
+        if isinstance(ids, (str, bytes, Mapping, AbstractSet)) or not hasattr(ids, "__iter__"):
             raise TypeError(f"ByteBPE.decode: ids expected a sequence of ints, got {type(ids).__name__}")
+        # an array or tensor of bools or floats: one by one, its items would pass as ints
+        kind = str(getattr(ids, "dtype", ""))
+        if any(word in kind for word in ("bool", "float", "complex")):
+            raise TypeError(f"ByteBPE.decode: ids expected integer token ids, got dtype {kind}")
         shape = tuple(getattr(ids, "shape", ()))
         if len(shape) > 1:  # e.g. generate()'s (B, T): one row at a time
             raise ValueError(f"ByteBPE.decode: ids expected one sequence (1-D), got shape {shape}; decode each row")
@@ -250,13 +281,23 @@ class ByteBPE:
 
     @classmethod
     def load(cls, path) -> ByteBPE:
-        state = json.loads(Path(path).read_text())
+        try:
+            state = json.loads(Path(path).read_text())
+        except ValueError as e:  # not JSON, or not UTF-8
+            raise ValueError(f"ByteBPE.load: {path} is not a saved ByteBPE (not JSON: {e})") from e
         if not isinstance(state, dict) or state.get("format") != "tfm_common.bpe.ByteBPE":
             raise ValueError(f"ByteBPE.load: {path} is not a saved ByteBPE")
         if state.get("version") != 1:
             raise ValueError(f"ByteBPE.load: expected version 1, got {state.get('version')!r}")
-        bpe = cls([tuple(p) for p in state["merges"]], state["pattern"])
-        bpe.merge_counts = list(state.get("merge_counts", []))
+        for key, ok in (("merges", isinstance(state.get("merges"), list)), ("pattern", "pattern" in state)):
+            if not ok:
+                raise ValueError(f"ByteBPE.load: {path} has no valid {key!r} entry (a damaged or edited file?)")
+        merges = [tuple(p) if isinstance(p, list) else p for p in state["merges"]]
+        bpe = cls(merges, state["pattern"])
+        counts = state.get("merge_counts", [])
+        if not isinstance(counts, list) or not all(type(c) is int for c in counts):
+            raise ValueError(f"ByteBPE.load: {path}: merge_counts must be a list of ints, got {counts!r:.80}")
+        bpe.merge_counts = counts
         return bpe
 
     def __eq__(self, other) -> bool:

@@ -18,7 +18,7 @@ from .validate import check_choice, check_flag, check_probability, check_real, c
 __all__ = ["TRANSFORMER_ARGS", "TRANSFORMER_POSITIONAL", "FF_ACTIVATIONS", "GPT_NORMS", "GPT_POSITIONAL",
            "GPT_ACTIVATIONS", "GPT_ARGS", "VIT_ARGS", "VIT_POOLS", "SWIN_ARGS", "check_transformer_config",
            "check_gpt_config", "check_patch_embedding", "check_vit_config", "check_swin_config", "check_window_grid",
-           "swin_shift", "transformer_options", "own_init"]  # fmt: skip
+           "swin_shift", "transformer_options", "own_init", "config_numbers"]  # fmt: skip
 
 # the Transformer's `config` without its pitfall options (chapter 16a adds those that differ from the paper's)
 TRANSFORMER_ARGS = ("src_vocab_size", "tgt_vocab_size", "d_model", "n_heads", "d_ff", "n_layers", "dropout", "max_len",
@@ -187,3 +187,48 @@ def own_init(cls: type, **kwdefaults) -> None:
     f.__kwdefaults__, f.__annotations__ = (init.__kwdefaults__ or {}) | kwdefaults, init.__annotations__
     f.__qualname__ = f"{cls.__name__}.__init__"
     cls.__init__ = f
+
+
+def _n(c: dict, key: str, default: int = 1) -> int:
+    """c[key] if it is an int >= 1 (not a bool), else `default`: `config_numbers` reads a configuration nobody has
+    checked yet (a file's), and leaves refusing a malformed one to the constructor's own checks."""
+    v = c.get(key)
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 1 else default
+
+
+def _ns(c: dict, key: str) -> list[int]:
+    v = c.get(key)
+    return (
+        [i if isinstance(i, int) and not isinstance(i, bool) and i >= 1 else 1 for i in v]
+        if isinstance(v, list | tuple)
+        else [1]
+    )
+
+
+def config_numbers(model: str, c: dict) -> int | None:
+    """A lower bound on how many numbers (parameters, and the tables a model computes rather than stores: sinusoidal
+    and rotary positions, Swin's window masks) the constructor of `model` allocates for configuration `c`: integer
+    arithmetic, nothing allocated. `model`: "Transformer" (or tfm_torch's "ReferenceTransformer"), "GPT", "ViT" or
+    "Swin"; None for another class (one that records no configuration, so no file of it is built from its sizes).
+    A checkpoint's configuration must not ask for more than the file stores plus a bounded allowance for the tables
+    (`npz_checkpoint.check_config_size`), so a 15 KB file that declares vocab_size=10**9 is refused before a model
+    is built from it.
+    """
+    d, n_layers, d_ff, max_len = _n(c, "d_model"), _n(c, "n_layers"), _n(c, "d_ff"), _n(c, "max_len")
+    # Transformer: embeddings, positions (a table or weights) in both stacks, feed-forward weights
+    if model in ("Transformer", "ReferenceTransformer"):
+        return d * (_n(c, "src_vocab_size") + _n(c, "tgt_vocab_size") + 2 * max_len) + 4 * n_layers * d * d_ff
+    if model == "GPT":  # rope keeps a table of d_head / 2 cosines and sines per position
+        per_position = d // _n(c, "n_heads") if c.get("positional") == "rope" else d
+        return d * _n(c, "vocab_size") + max_len * per_position + n_layers * d * d_ff
+    patch, channels, classes = _n(c, "patch_size"), _n(c, "in_channels"), _n(c, "n_classes")
+    grid = _n(c, "image_size") // patch  # tokens per side
+    if model == "ViT":
+        return d * (grid**2 + channels * patch**2 + classes) + 2 * n_layers * d * d_ff
+    if model == "Swin":  # per stage: the blocks' feed-forward weights and window masks; stage i has d 2^i, grid / 2^i
+        m, ratio = _n(c, "window_size"), _n(c, "mlp_ratio")
+        stages = sum(
+            depth * 2 * ratio * (d * 2**i) ** 2 + (grid // 2**i * m) ** 2 for i, depth in enumerate(_ns(c, "depths"))
+        )
+        return d * channels * patch**2 + stages + classes * d
+    return None

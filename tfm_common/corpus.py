@@ -181,4 +181,9 @@ def split_ids(ids, val_fraction: float = 0.1) -> tuple[np.ndarray, np.ndarray]:
     if isinstance(val_fraction, bool) or not isinstance(val_fraction, (float, int)) or not 0 < val_fraction < 1:
         raise ValueError(f"split_ids: val_fraction must be a float in (0, 1), got {val_fraction!r}")
     cut = len(ids) - int(round(len(ids) * val_fraction))
+    if not 0 < cut < len(ids):  # too few ids for this fraction: one part would be empty, silently
+        raise ValueError(
+            f"split_ids: val_fraction={val_fraction!r} of {len(ids)} ids leaves {cut} for training and "
+            f"{len(ids) - cut} held out; both parts need at least one id (give more ids or another val_fraction)"
+        )
     return ids[:cut], ids[cut:]

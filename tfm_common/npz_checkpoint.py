@@ -18,6 +18,11 @@ Version 2 (this one) records the model's configuration, and loading refuses a mo
 `tie_output=False` file from a `tie_output=True` model. Version 1 files (no configuration) still load into a model
 the caller builds; `check_ties` then still refuses a file whose aliases of one tied weight hold different values.
 Every field of `__meta__` is checked (type, range, agreement with the arrays present) before anything is allocated.
+What a file can ask for is bounded by what it holds: each .npy entry's header must not declare more bytes than the
+entry holds (`read_npz`), and `load_model` builds a model only when the size its configuration declares
+(`tfm_common.config.config_numbers`) is within the numbers the file stores plus UNSTORED_ALLOWANCE for the tables a
+model computes (`check_config_size`); the exact shapes are compared once it is built. A crafted file that declares a
+vocabulary of 10**9 is refused in milliseconds, whatever it claims.
 
 Errors are clear at this boundary: a truncated or corrupted file, a file that is not a checkpoint, a missing
 or unexpected key (KeyError, naming it) and a wrong shape (ValueError, naming the key and both shapes).
@@ -38,9 +43,12 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .config import config_numbers
+
 __all__ = ["FORMAT", "VERSION", "READABLE_VERSIONS", "NpzContents", "library_version", "describe_model", "build_model",
-           "tied_groups_of", "check_model_config", "check_ties", "check_optim_meta", "check_optim_type", "META_KEY",
-           "normalize_extra", "check_state", "atomic_write", "zip_kind", "write_npz", "read_npz"]  # fmt: skip
+           "tied_groups_of", "check_model_config", "check_ties", "same_values", "check_optim_meta", "check_optim_type",
+           "META_KEY", "normalize_extra", "check_state", "atomic_write", "zip_kind", "write_npz",
+           "read_npz", "check_config_size", "UNSTORED_ALLOWANCE"]  # fmt: skip
 
 FORMAT = "transformer-twice-checkpoint"
 VERSION = 2
@@ -48,7 +56,10 @@ READABLE_VERSIONS = (1, 2)
 META_KEY = "__meta__"
 OPTIM_SCALARS = ("step", "lr", "betas", "eps", "weight_decay")
 OPTIM_TYPES = ("Adam", "AdamW")
-DTYPES = ("float32", "float64")
+DTYPES = ("float32", "float64")  # the dtype names a file records, and the names both tracks accept for `dtype`
+# Beyond the numbers a file stores, what its configuration may ask a loader to allocate: the tables a model computes
+# rather than stores (sinusoidal and rotary positions, Swin's window masks). 2**24 numbers: 64 MB in float32.
+UNSTORED_ALLOWANCE = 2**24
 
 
 class NpzContents(NamedTuple):
@@ -78,9 +89,31 @@ def describe_model(model, dtype: str) -> dict | None:
     return {"class": type(model).__name__, "config": json.loads(json.dumps(config)), "dtype": dtype}
 
 
-def build_model(meta: dict | None, base: type, package: str, dtype, as_dtype: Callable[[str], object], path, name: str):
+def check_config_size(meta: dict, stored: int, path, name: str) -> None:
+    """Refuse a configuration that asks for more numbers than the file stores (`stored`: the numbers its model arrays
+    hold, not the numbers their shapes claim: a torch view may repeat one value with stride 0) plus
+    UNSTORED_ALLOWANCE, before anything is built: a few KB that declare vocab_size=10**9 and d_model=10**4 cost
+    integer arithmetic, not 40 TB. Exact shapes are compared once the model is built."""
+    asked = config_numbers(meta["class"], meta["config"])
+    if asked is None:  # a layer's constructor would take any size from the file: none records a configuration
+        raise ValueError(
+            f"{name}: {os.fspath(path)!r} names a {meta['class']}, which records no configuration: only a "
+            "Transformer, GPT, ViT or Swin is built from a file (build the module yourself and use load_checkpoint)"
+        )
+    if asked > stored + UNSTORED_ALLOWANCE:
+        sizes = ", ".join(f"{k}={v!r}" for k, v in meta["config"].items() if type(v) in (int, list, tuple))
+        raise ValueError(
+            f"{name}: {os.fspath(path)!r} declares a {meta['class']} of at least {asked:.3g} numbers "
+            f"({sizes:.300}), but stores {stored} (allowed: stored + {UNSTORED_ALLOWANCE} for computed tables): its "
+            "configuration does not describe its arrays (a damaged or crafted file); nothing was built"
+        )
+
+
+def build_model(
+    meta: dict | None, base: type, package: str, dtype, as_dtype: Callable[[str], object], path, name: str, stored: int
+):
     """The bare model that `meta` (`describe_model`'s dict) describes, in `dtype` (None: the recorded dtype's name
-    made a dtype by `as_dtype`).
+    made a dtype by `as_dtype`), once `check_config_size` has compared its size with the numbers the file `stored`.
 
     The class is looked up among the public subclasses of `base` (the track's Module) defined in `package`
     ("tfm_numpy" or "tfm_torch"): a checkpoint names one of the library's classes, never arbitrary code. The
@@ -99,6 +132,7 @@ def build_model(meta: dict | None, base: type, package: str, dtype, as_dtype: Ca
             classes[cls.__name__] = cls
     if meta["class"] not in classes:
         raise ValueError(f"{name}: {where} names a model class {meta['class']!r} that {package} does not have")
+    check_config_size(meta, stored, path, name)
     try:
         return classes[meta["class"]](**meta["config"], dtype=as_dtype(meta["dtype"]) if dtype is None else dtype)
     except (TypeError, ValueError) as e:
@@ -132,18 +166,27 @@ def check_model_config(stored: dict | None, own: dict | None, name: str, path) -
         )
 
 
-def check_ties(groups: list[list[str]], state: dict, equal: Callable, name: str) -> None:
-    """Each group lists the names of one tied parameter of the model; the file must hold one value under all of
-    them. Different values mean the file comes from a model without that tie: refuse rather than pick one."""
+def check_ties(groups: list[list[str]], state: dict, equal: Callable, name: str, what: str = "checkpoint") -> None:
+    """Each group lists the names of one tied parameter of the model; the file (`what`: or a state_dict) must hold
+    one value under all of them. Different values mean the file comes from a model without that tie: refuse rather
+    than let the last name win. `equal` counts NaN equal to NaN (`same_values`): a tied weight that went NaN is one
+    value under two names, and saves and loads as any other."""
+    why = {"checkpoint": "it was written by a model without this tie (tie_output / share_embeddings differ)"}
     for keys in groups:
         present = [k for k in keys if k in state]
         for k in present[1:]:
             if not equal(state[present[0]], state[k]):
                 raise ValueError(
-                    f"{name}: '{present[0]}' and '{k}' are one tied parameter in this model, but the checkpoint holds "
-                    "different values for them: it was written by a model without this tie (tie_output / "
-                    "share_embeddings differ)"
+                    f"{name}: '{present[0]}' and '{k}' are one tied parameter in this model, but the {what} holds "
+                    f"different values for them: "
+                    + why.get(what, "give both names the same value (which one was meant cannot be told)")
                 )
+
+
+def same_values(a, b) -> bool:
+    """NumPy arrays (or anything np.asarray takes) of one shape and equal values, NaN equal to NaN."""
+    a, b = np.asarray(a), np.asarray(b)
+    return a.shape == b.shape and bool(np.array_equal(a, b, equal_nan=a.dtype.kind in "fc" and b.dtype.kind in "fc"))
 
 
 def normalize_extra(extra, name: str) -> dict:
@@ -253,6 +296,7 @@ def read_npz(path, name: str) -> NpzContents:
         if not isinstance(z, np.lib.npyio.NpzFile):
             raise ValueError("a single .npy array, not an .npz archive")
         with z:
+            _check_entry_sizes(z.zip)
             arrays = {k: z[k] for k in z.files}
     except Exception as e:  # BadZipFile, CRC errors, EOFError, format errors, pickled data refused, ...
         raise ValueError(
@@ -286,6 +330,25 @@ def read_npz(path, name: str) -> NpzContents:
             f"missing {missing}, not recorded {unrecorded}"
         )
     return NpzContents(model, optim, meta.get("extra") or {}, meta.get("model"))
+
+
+def _check_entry_sizes(archive: zipfile.ZipFile) -> None:
+    """Each .npy entry's header declares a shape and a dtype: refuse one that declares more bytes than the entry holds
+    before NumPy reserves memory for it (a few bytes of header may claim terabytes)."""
+    for info in archive.infolist():
+        if not info.filename.endswith(".npy"):
+            continue
+        with archive.open(info) as f:
+            version = np.lib.format.read_magic(f)
+            read_header = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+            if version not in read_header:
+                continue  # NumPy's own reader refuses or reads it
+            shape, _, dtype = read_header[version](f, max_header_size=10_000)
+            declared, held = math.prod(shape) * dtype.itemsize, info.file_size - f.tell()
+        if declared > held:
+            raise ValueError(
+                f"entry {info.filename!r} declares shape {shape} of {dtype} ({declared} bytes) but holds {held} bytes"
+            )
 
 
 def _read_meta(raw: np.ndarray, path: str, name: str) -> dict:

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
-
 from tfm_common.npz_checkpoint import (
     NpzContents,
     build_model,
@@ -20,11 +18,12 @@ from tfm_common.npz_checkpoint import (
     check_ties,
     describe_model,
     read_npz,
+    same_values,
     tied_groups_of,
     write_npz,
 )
 
-from .module import Module
+from .module import Module, check_dtype
 from .optim import Adam
 
 __all__ = ["save_checkpoint", "load_checkpoint", "load_model", "tied_groups"]
@@ -66,7 +65,8 @@ def load_model(path, dtype=None) -> Module:
     `extra`, call `load_checkpoint(path, model, optimizer)` on the result."""
     name = "load_model"
     contents = read_npz(path, name)
-    model = build_model(contents.model_meta, Module, "tfm_numpy", dtype, np.dtype, path, name)
+    stored = sum(v.size for v in contents.model.values())  # read_npz checked that each entry holds its bytes
+    model = build_model(contents.model_meta, Module, "tfm_numpy", dtype, check_dtype, path, name, stored)
     _load_into(contents, model, None, path, name)
     return model
 
@@ -88,7 +88,7 @@ def _load_into(contents: NpzContents, model: Module, optimizer: Adam | None, pat
     for k, v in state.items():
         if v.dtype.kind != "f":
             raise TypeError(f"{name}: model key '{k}' holds {v.dtype} values, expected floats")
-    check_ties(tied_groups(model), state, np.array_equal, name)
+    check_ties(tied_groups(model), state, same_values, name)
     if optimizer is not None:
         if optim is None:
             raise KeyError(f"{name}: {str(path)!r} holds no optimizer state (saved without an optimizer)")

@@ -16,6 +16,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from tfm_common.npz_checkpoint import DTYPES as DTYPE_NAMES  # the names both tracks accept for dtype
+from tfm_common.npz_checkpoint import check_ties, same_values, tied_groups_of
 from tfm_common.validate import check_probability as check_probability  # re-exported: the layers' import
 from tfm_common.validate import check_seed
 
@@ -58,7 +60,15 @@ def as_rng(rng: np.random.Generator | int | None) -> np.random.Generator:
 
 
 def check_dtype(dtype) -> np.dtype:
-    dt = np.dtype(dtype)
+    """float32 or float64: a NumPy dtype (or type), or its name "float32" / "float64". One rule with tfm_torch, which
+    takes its own torch dtypes and the same two names: any other string (say "f8" or "double") is refused in both."""
+    expected = f"float32 or float64 (numpy.float32, numpy.float64 or their names {DTYPE_NAMES})"
+    if isinstance(dtype, str) and dtype not in DTYPE_NAMES:
+        raise TypeError(f"dtype: expected {expected}, got {dtype!r}")
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:  # e.g. torch.float64: numpy's own message would not say what is expected
+        raise TypeError(f"dtype: expected {expected}, got {dtype!r:.80} of type {type(dtype).__name__}") from None
     if dt.type not in FLOAT_DTYPES:
         raise TypeError(f"dtype: expected float32 or float64, got {dt}")
     return dt
@@ -176,6 +186,12 @@ class Module:
       raises RuntimeError instead of adding the same gradients into `.grad` again (torch refuses a second backward
       through freed buffers the same way). A module without parameters (an activation, dropout, the loss) only
       returns a gradient and adds nothing, so calling its backward again, e.g. with another grad_out, is allowed.
+
+    `state_dict()` returns copies: `best = model.state_dict()` keeps those values while training goes on. torch's
+    `state_dict()` (tfm_torch) returns the live tensors instead (detached, sharing the parameters' storage): there
+    `best` changes with every step unless copied (`{k: v.clone() for k, v in ...}`). Both tracks keep their own
+    library's semantics; code that keeps a best state in either track copies it. `load_state_dict` refuses two names
+    of one tied parameter holding different values (as a checkpoint is refused), rather than let the last one win.
     """
 
     _kept_inputs: tuple[str, ...] | None = None
@@ -307,6 +323,7 @@ class Module:
         for name, value in values.items():  # check every shape before copying anything: all or nothing
             if value.shape != own[name].data.shape:
                 raise ValueError(f"load_state_dict: '{name}' expected shape {own[name].data.shape}, got {value.shape}")
+        check_ties(tied_groups_of(own.items()), values, same_values, "load_state_dict", what="state_dict")
         for name, value in values.items():
             own[name].data[...] = value.astype(own[name].data.dtype, copy=False)
 

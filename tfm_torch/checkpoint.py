@@ -38,7 +38,7 @@ from tfm_common.npz_checkpoint import (
     zip_kind,
 )
 
-from .module import Module
+from .module import Module, same_tensor_values
 
 __all__ = ["save_checkpoint", "load_checkpoint", "load_model", "export_npz", "tied_groups"]
 
@@ -79,9 +79,18 @@ def load_model(path, dtype: torch.dtype | None = None) -> nn.Module:
     """As tfm_numpy.load_model, from either track's file; `dtype` torch.float32 or torch.float64."""
     name = "load_model"
     contents = _read_any(path, name)
-    model = build_model(contents[3], Module, "tfm_torch", dtype, functools.partial(getattr, torch), path, name)
+    stored = sum(_numbers_held(v) for v in contents[0].values())
+    model = build_model(contents[3], Module, "tfm_torch", dtype, functools.partial(getattr, torch), path, name, stored)
     _load_into(contents, model, None, path, name)
     return model
+
+
+def _numbers_held(v) -> int:
+    """How many numbers a file's tensor holds: its storage's, when a view claims more (stride 0 repeats one value
+    over any shape); 0 for what is not a tensor (refused later)."""
+    if not torch.is_tensor(v):
+        return 0
+    return min(v.numel(), v.untyped_storage().nbytes() // max(v.element_size(), 1))
 
 
 def tied_groups(model: nn.Module) -> list[list[str]]:
@@ -110,7 +119,7 @@ def _load_into(contents: tuple, model: nn.Module, optimizer, path, name: str) ->
     for k, v in state.items():
         if not torch.is_tensor(v) or not v.is_floating_point():
             raise TypeError(f"{name}: model key '{k}' holds {getattr(v, 'dtype', type(v).__name__)}, expected floats")
-    check_ties(tied_groups(model), state, torch.equal, name)
+    check_ties(tied_groups(model), state, same_tensor_values, name)
     optim_sd = None
     if optimizer is not None:
         if optim is None:

@@ -13,6 +13,8 @@ import threading
 import numpy as np
 import torch
 
+from tfm_common.npz_checkpoint import DTYPES as DTYPE_NAMES  # the names both tracks accept for dtype
+from tfm_common.npz_checkpoint import check_ties, tied_groups_of
 from tfm_common.validate import check_probability as check_probability  # re-exported: the layers' import
 from tfm_common.validate import check_seed
 
@@ -25,9 +27,13 @@ def as_generator(rng: torch.Generator | int | None) -> torch.Generator:
 
 
 def check_dtype(dtype) -> torch.dtype:
+    """torch.float32 or torch.float64, or the name "float32" / "float64": one rule with tfm_numpy (which takes NumPy
+    dtypes and the same two names); None is torch's default dtype."""
     dtype = torch.get_default_dtype() if dtype is None else dtype
+    if isinstance(dtype, str) and dtype in DTYPE_NAMES:
+        dtype = getattr(torch, dtype)
     if dtype not in (torch.float32, torch.float64):
-        raise TypeError(f"dtype: expected torch.float32 or torch.float64, got {dtype}")
+        raise TypeError(f"dtype: expected torch.float32 or torch.float64 (or their names {DTYPE_NAMES}), got {dtype!r}")
     return dtype
 
 
@@ -91,6 +97,15 @@ def check_indices(name: str, x, high: int, ignore: int | None = None) -> torch.T
     return x
 
 
+def same_tensor_values(a, b) -> bool:
+    """Tensors of one shape and equal values, NaN equal to NaN (two names of one tied weight that went NaN hold one
+    value); anything else passes here and is refused by torch's own loading."""
+    if not (torch.is_tensor(a) and torch.is_tensor(b)):
+        return True
+    b = b.to(a.device)
+    return a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
 # -- the door: a call from outside the library is checked once, as in tfm_numpy (see its module.py) ------------------
 # Under torch.compile the checks are traced at every level (dynamo inlines the body; the shape checks become guards).
 _ENTRY_POINTS = ("forward", "encode", "decode", "decode_step", "forward_step")
@@ -131,6 +146,12 @@ class Module(torch.nn.Module):
     (tfm_numpy takes tensors), so one state_dict loads into either track. Every module of this track derives from
     it; torch calls the override of the module it loads into, and walks the children itself. Its forwards (and
     `encode`, `decode`, ...) run `_check_forward` (`_check_decode`, ...) at the outermost call only, as tfm_numpy's.
+
+    `state_dict()` is torch's own and returns the live tensors (detached, sharing the parameters' storage): after
+    `best = model.state_dict()`, every optimizer step changes `best` too. Keep a best state as a copy:
+    `best = {k: v.clone() for k, v in model.state_dict().items()}` (or `copy.deepcopy(model)`). tfm_numpy's
+    `state_dict()` returns copies; each track keeps its library's semantics. `load_state_dict` also refuses two names
+    of one tied parameter holding different values (torch's own would let the last one win silently).
     """
 
     def __init_subclass__(cls, **kwargs) -> None:
@@ -154,4 +175,6 @@ class Module(torch.nn.Module):
             if name in own and tuple(getattr(value, "shape", ())) != tuple(own[name].shape):
                 got = tuple(value.shape) if hasattr(value, "shape") else type(value).__name__
                 raise ValueError(f"load_state_dict: '{name}' expected shape {tuple(own[name].shape)}, got {got}")
+        groups = tied_groups_of(self.named_parameters(remove_duplicate=False))  # torch would let the last name win
+        check_ties(groups, state, same_tensor_values, "load_state_dict", what="state_dict")
         return super().load_state_dict(state, strict=strict, assign=assign)
