@@ -13,13 +13,20 @@ import numpy as np
 
 from tfm_common.attention import GroupedQueryAttentionDoor, check_kv_heads
 from tfm_common.config import own_init
-from tfm_common.validate import check_positions, check_real, check_size, check_sizes
+from tfm_common.validate import (
+    behind_door,
+    check_positions,
+    check_real,
+    check_rope_tables,
+    check_size,
+    check_sizes,
+)
 
 from .attention import AttentionImpl, check_attn_impl
 from .kv_cache import cache_append
 from .layers import Dropout, Linear
 from .masks import check_mask
-from .module import Module, Parameter, as_rng, check_dtype, check_input
+from .module import Module, Parameter, as_rng, at_the_door, check_dtype, check_input
 
 __all__ = [
     "RMSNorm",
@@ -106,6 +113,22 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     out[..., 0::2] = x0 * cos - x1 * sin
     out[..., 1::2] = x0 * sin + x1 * cos
     return out
+
+
+def _check_apply_rope(x, cos, sin) -> None:
+    """apply_rope's door (RotaryEmbedding's own calls pass: it checks x and slices its tables itself): x (..., T, d)
+    floats, cos and sin (T, d/2) of x's dtype (an int x would come back truncated to ints)."""
+    if not at_the_door():
+        return
+    check_input("apply_rope: x", x, ndim_min=2)
+    for arg, table in (("cos", cos), ("sin", sin)):
+        check_input(f"apply_rope: {arg}", table)
+        if table.dtype != x.dtype:
+            raise TypeError(f"apply_rope: {arg} expected x's dtype {x.dtype}, got {table.dtype}")
+    check_rope_tables("apply_rope", x.shape, cos.shape, sin.shape)
+
+
+apply_rope = behind_door(apply_rope, _check_apply_rope)  # the printed body stays the lesson
 
 
 class RotaryEmbedding(Module):
@@ -207,7 +230,16 @@ class SwiGLUFeedForward(Module):
 def repeat_kv(x: np.ndarray, n_rep: int) -> np.ndarray:
     """(B, Hkv, T, d) -> (B, Hkv * n_rep, T, d): key/value head j serves query heads j n_rep .. (j + 1) n_rep - 1
     (torch's enable_gqa layout). Its backward sums each group: grad.reshape(B, Hkv, n_rep, T, d).sum(axis=2)."""
+    if at_the_door():  # inside GroupedQueryAttention, n_rep is its own
+        _check_repeat_kv(x, n_rep)
     return x if n_rep == 1 else np.repeat(x, n_rep, axis=1)
+
+
+def _check_repeat_kv(x, n_rep) -> None:
+    check_size("repeat_kv", "n_rep", n_rep)  # a float would be truncated by np.repeat
+    if not isinstance(x, np.ndarray) or x.ndim != 4:
+        got = f"shape {x.shape}" if isinstance(x, np.ndarray) else type(x).__name__
+        raise ValueError(f"repeat_kv: x expected a numpy.ndarray (B, Hkv, T, d), got {got}")
 
 
 class GroupedQueryAttention(AttentionImpl, GroupedQueryAttentionDoor, Module):
