@@ -208,6 +208,15 @@ class Dropout(Module):
         return f"p={self.p}"
 
 
+def norm_scale(x: np.ndarray, axes) -> np.ndarray:
+    """What LayerNorm and RMSNorm divide x by before squaring (shape (N..., 1...), one number per normalized group):
+    max|x| in a group so large that its squares could overflow (max|x| above finfo.max^(1/4): 2^32 in float32, 2^256
+    in float64; a float32 x of 1e30 squares to inf), else 1. x / c is then at most 1 in magnitude, and a group of
+    ordinary size is divided by 1, exactly: its results are bit for bit those of the plain formula."""
+    s = np.abs(x).max(axis=axes, keepdims=True)
+    return np.where(s > np.finfo(x.dtype).max ** 0.25, s, 1).astype(x.dtype)
+
+
 class LayerNorm(Module):
     """Normalize over the last len(normalized_shape) dims, then scale and shift (exactly torch.nn.LayerNorm):
         mu = mean(x), var = mean((x - mu)^2)  (biased: divide by n, not n - 1)
@@ -243,13 +252,15 @@ class LayerNorm(Module):
 
     def forward(self, x: np.ndarray) -> np.ndarray:
         axes = tuple(range(-len(self.normalized_shape), 0))
-        mu = x.mean(axis=axes, keepdims=True)  # (N..., 1...)
-        xc = x - mu
-        var = np.square(xc).mean(axis=axes, keepdims=True)  # biased variance
-        rstd = 1 / np.sqrt(var + self.eps)  # (N..., 1...)
+        c = norm_scale(x, axes)  # (N..., 1...): 1, or max|x| where squaring x would overflow
+        u = x / c  # x itself in an ordinary group
+        mu = u.mean(axis=axes, keepdims=True)  # (N..., 1...)
+        xc = u - mu
+        var = np.square(xc).mean(axis=axes, keepdims=True)  # biased variance (of x / c)
+        rstd = 1 / np.sqrt(var + self.eps / c / c)  # (N..., 1...): 1 / sqrt(var(x) + eps), times c
         xhat = xc
         xhat *= rstd  # (N..., *normalized_shape), in place of xc (no longer needed)
-        self._cache = (xhat, rstd, axes)
+        self._cache = (xhat, rstd / c, axes)  # the backward's rstd: 1 / sqrt(var(x) + eps)
         y = xhat * self.weight.data
         y += self.bias.data
         return y

@@ -24,7 +24,7 @@ from tfm_common.validate import (
 
 from .attention import AttentionImpl, check_attn_impl
 from .kv_cache import cache_append
-from .layers import Dropout, Linear
+from .layers import Dropout, Linear, norm_scale
 from .masks import check_mask
 from .module import Module, Parameter, as_rng, at_the_door, check_dtype, check_input
 
@@ -66,9 +66,11 @@ class RMSNorm(Module):
         check_input("RMSNorm", x, last_dim=self.d, dtype=self.weight.dtype)
 
     def forward(self, x: np.ndarray) -> np.ndarray:
-        rrms = 1 / np.sqrt(np.square(x).mean(axis=-1, keepdims=True) + self.eps)  # (N..., 1)
-        xhat = x * rrms  # (N..., d)
-        self._cache = (xhat, rrms)
+        c = norm_scale(x, -1)  # (N..., 1): 1, or max|x| where squaring x would overflow (a float32 x of 1e30)
+        u = x / c  # x itself in an ordinary row
+        r = 1 / np.sqrt(np.square(u).mean(axis=-1, keepdims=True) + self.eps / c / c)  # rrms times c
+        xhat = u * r  # (N..., d): x * rrms
+        self._cache = (xhat, r / c)  # rrms = 1 / sqrt(mean(x^2) + eps), (N..., 1)
         return xhat * self.weight.data
 
     def backward(self, grad_out: np.ndarray) -> np.ndarray:

@@ -137,6 +137,14 @@ class Dropout(Module):
         return f"p={self.p}"
 
 
+def norm_scale(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """What LayerNorm and RMSNorm divide x by before squaring, as tfm_numpy's: max|x| in a group whose squares could
+    overflow (above finfo.max^(1/4)), else 1 (a division by 1: ordinary groups give the plain formula's numbers).
+    Detached: the result does not depend on it (up to rounding), so no gradient flows through it."""
+    s = x.detach().abs().amax(dim=dims, keepdim=True)
+    return torch.where(s > torch.finfo(x.dtype).max ** 0.25, s, torch.ones_like(s))
+
+
 class LayerNorm(Module):
     """(x - mean) / sqrt(var + eps) * weight + bias over the last len(normalized_shape) dims, biased variance.
 
@@ -161,9 +169,11 @@ class LayerNorm(Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dims = tuple(range(-len(self.normalized_shape), 0))
-        mu = x.mean(dim=dims, keepdim=True)
-        var = ((x - mu) ** 2).mean(dim=dims, keepdim=True)  # biased, like torch.nn.LayerNorm
-        return (x - mu) * torch.rsqrt(var + self.eps) * self.weight + self.bias
+        c = norm_scale(x, dims)  # 1, or max|x| where squaring x would overflow
+        u = x / c  # x itself in an ordinary group
+        mu = u.mean(dim=dims, keepdim=True)
+        var = ((u - mu) ** 2).mean(dim=dims, keepdim=True)  # biased, like torch.nn.LayerNorm (of x / c)
+        return (u - mu) * torch.rsqrt(var + self.eps / c / c) * self.weight + self.bias
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}"
