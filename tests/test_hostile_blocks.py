@@ -14,6 +14,7 @@ from test_hostile import TRACKS, T, f64, ids
 
 import tfm_numpy as tn
 import tfm_torch as tt
+from tfm_common.validate import check_decode_cache
 
 
 def f64dt(L):
@@ -397,3 +398,19 @@ def test_norms_at_the_float32_limits(L, name):
     assert (np.abs(dx - ref_grad) / scale).max() < 1e-5
     plain = _plain(name, x32[:1], np.float32(m.eps))
     assert np.array_equal(y[:1], plain)  # an ordinary row: the same operations, the same bits
+
+
+@TRACKS
+def test_decode_cache_validator_refuses_another_models_cache(L):
+    """check_decode_cache with the model's sizes refuses a cache filled by a model of other layers or heads (the
+    Transformer's door passes them once tfm_common/doors.py is wired to; the validator is tested here)."""
+    kw = dict(d_model=8, d_ff=16, dropout=0.0, max_len=12)
+    m = L.Transformer(11, 11, n_heads=2, n_layers=2, **kw, dtype=f64dt(L)).eval()
+    memory, src_mask = m.encode(ids(L, [[3, 4]]))
+    cache = {}
+    m.decode_step(ids(L, [[1]]), memory, src_mask, cache)
+    check_decode_cache(cache, 1, n_layers=2, heads=2, d_head=4)  # its own model's: accepted
+    with pytest.raises(ValueError, match=r"the cache holds 2 layers, this model has 3: a cache from another model"):
+        check_decode_cache(cache, 1, n_layers=3, heads=2, d_head=4)
+    with pytest.raises(ValueError, match=r"layer 0 of the cache holds keys \(1, 2, 1, 4\), expected .*\(1, 4, 1, 2\)"):
+        check_decode_cache(cache, 1, n_layers=2, heads=4, d_head=2)

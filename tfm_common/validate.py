@@ -150,8 +150,11 @@ def normalized_shape(owner: str, value) -> tuple[int, ...]:
     return (check_size(owner, "normalized_shape", value),)
 
 
-def check_decode_cache(cache, batch: int) -> None:
-    """Transformer.decode_step's cache (either track): a dict, empty at the first step, then of one batch size."""
+def check_decode_cache(cache, batch: int, n_layers: int | None = None, heads: int | None = None,
+                       d_head: int | None = None) -> None:  # fmt: skip
+    """Transformer.decode_step's cache (either track): a dict, empty at the first step, then of one batch size; where
+    the model's n_layers, heads and d_head are given, filled by a model of those (one self-attention cache per layer,
+    keys (B, heads, length, d_head)), so that another model's cache is refused before anything is appended."""
     if not isinstance(cache, dict):
         raise TypeError(
             f"Transformer.decode_step: cache expected a dict (empty at the first step), got {type(cache).__name__}"
@@ -161,6 +164,20 @@ def check_decode_cache(cache, batch: int) -> None:
             f"Transformer.decode_step: the cache holds {cache['keep'].shape[0]} sequences, tgt_new has {batch}: "
             "start a new cache ({}) for another batch, or select rows with reorder_cache"
         )
+    if n_layers is None or "layers" not in cache:
+        return
+    layers, length = cache["layers"], cache.get("length", 0)
+    if not isinstance(layers, list) or len(layers) != n_layers:
+        got = f"{len(layers)} layers" if isinstance(layers, list) else f"layers {type(layers).__name__}"
+        raise ValueError(f"Transformer.decode_step: the cache holds {got}, this model has {n_layers}: a cache from "
+                         "another model; start a new cache ({})")  # fmt: skip
+    want = (batch, heads, length, d_head)
+    for i, layer in enumerate(layers):
+        k = layer.get("self_attn", {}).get("k") if isinstance(layer, dict) else None
+        if k is not None and tuple(k.shape) != want:
+            raise ValueError(f"Transformer.decode_step: layer {i} of the cache holds keys {tuple(k.shape)}, expected "
+                             f"(B, n_heads, length, d_head) = {want}: a cache from another model; start a new cache "
+                             "({})")  # fmt: skip
 
 
 def decreed_zero_rows(module) -> dict[str, int]:
