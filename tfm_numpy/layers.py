@@ -208,13 +208,17 @@ class Dropout(Module):
         return f"p={self.p}"
 
 
-def norm_scale(x: np.ndarray, axes) -> np.ndarray:
-    """What LayerNorm and RMSNorm divide x by before squaring (shape (N..., 1...), one number per normalized group):
-    max|x| in a group so large that its squares could overflow (max|x| above finfo.max^(1/4): 2^32 in float32, 2^256
-    in float64; a float32 x of 1e30 squares to inf), else 1. x / c is then at most 1 in magnitude, and a group of
-    ordinary size is divided by 1, exactly: its results are bit for bit those of the plain formula."""
-    s = np.abs(x).max(axis=axes, keepdims=True)
-    return np.where(s > np.finfo(x.dtype).max ** 0.25, s, 1).astype(x.dtype)
+def norm_scaled(x: np.ndarray, axes) -> tuple[np.ndarray, np.ndarray | np.floating]:
+    """(x / c, c), what LayerNorm and RMSNorm square: c (N..., 1...) is max|x| in a normalized group so large that its
+    squares could overflow (max|x| above finfo.max^(1/4): 2^32 in float32, 2^256 in float64; a float32 x of 1e30
+    squares to inf), 1 in the others. When no group is that large (any ordinary input: one test of x's extremes),
+    returns x itself and c = 1: the norms then compute the plain formula's numbers, bit for bit."""
+    big = np.finfo(x.dtype).max ** 0.25
+    if x.size == 0 or max(x.max(), -x.min()) <= big:  # (a NaN fails the test: the groups' scales sort it out)
+        return x, x.dtype.type(1)
+    c = np.maximum(x.max(axis=axes, keepdims=True), -x.min(axis=axes, keepdims=True))  # max|x| per group
+    c = np.where(c > big, c, 1).astype(x.dtype)
+    return x / c, c
 
 
 class LayerNorm(Module):
@@ -230,6 +234,10 @@ class LayerNorm(Module):
     The last line comes from d xhat_i / d x_j = rstd (delta_ij - 1/n - xhat_i xhat_j / n): the mean
     term removes the component along (1, ..., 1), the xhat term the component along xhat (both
     directions that the normalization cannot change).
+
+    A group so large that its squares would overflow (float32 |x| above 2^32) is divided by c = max|x| first and
+    its statistics taken of x / c (`norm_scaled`): rstd = 1 / (c sqrt(var(x/c) + eps / c^2)). Every other group is
+    computed as written above, bit for bit.
     """
 
     _kept_inputs = ()  # backward needs xhat and rstd, computed here: no copy of x
@@ -252,8 +260,7 @@ class LayerNorm(Module):
 
     def forward(self, x: np.ndarray) -> np.ndarray:
         axes = tuple(range(-len(self.normalized_shape), 0))
-        c = norm_scale(x, axes)  # (N..., 1...): 1, or max|x| where squaring x would overflow
-        u = x / c  # x itself in an ordinary group
+        u, c = norm_scaled(x, axes)  # x / c: c = max|x| where x's squares would overflow, else 1 (u is x)
         mu = u.mean(axis=axes, keepdims=True)  # (N..., 1...)
         xc = u - mu
         var = np.square(xc).mean(axis=axes, keepdims=True)  # biased variance (of x / c)

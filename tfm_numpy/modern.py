@@ -24,7 +24,7 @@ from tfm_common.validate import (
 
 from .attention import AttentionImpl, check_attn_impl
 from .kv_cache import cache_append
-from .layers import Dropout, Linear, norm_scale
+from .layers import Dropout, Linear, norm_scaled
 from .masks import check_mask
 from .module import Module, Parameter, as_rng, at_the_door, check_dtype, check_input
 
@@ -52,6 +52,10 @@ class RMSNorm(Module):
         dxhat = g * weight,   dL/dx = rrms * (dxhat - xhat * mean(dxhat * xhat))
     from d xhat_i / d x_j = rrms (delta_ij - xhat_i xhat_j / n): only the component along xhat is removed (the one
     direction that scaling x cannot change), not the mean as well, as in LayerNorm.
+
+    A row so large that x^2 would overflow (float32 |x| above 2^32; 1e30 squares to inf, and the plain formula
+    returns zeros) is divided by c = max|x| before squaring, rrms = 1 / (c sqrt(mean((x/c)^2) + eps / c^2)), as
+    careful implementations do (`norm_scaled`); every other row is computed as written above, bit for bit.
     """
 
     def __init__(self, d: int, eps: float = 1e-6, *, dtype=np.float32):
@@ -66,11 +70,10 @@ class RMSNorm(Module):
         check_input("RMSNorm", x, last_dim=self.d, dtype=self.weight.dtype)
 
     def forward(self, x: np.ndarray) -> np.ndarray:
-        c = norm_scale(x, -1)  # (N..., 1): 1, or max|x| where squaring x would overflow (a float32 x of 1e30)
-        u = x / c  # x itself in an ordinary row
-        r = 1 / np.sqrt(np.square(u).mean(axis=-1, keepdims=True) + self.eps / c / c)  # rrms times c
+        u, c = norm_scaled(x, -1)  # x / c: c = max|x| where x^2 would overflow (a float32 x of 1e30), else 1 (u is x)
+        r = 1 / np.sqrt(np.square(u).mean(axis=-1, keepdims=True) + self.eps / c / c)  # (N..., 1): rrms times c
         xhat = u * r  # (N..., d): x * rrms
-        self._cache = (xhat, r / c)  # rrms = 1 / sqrt(mean(x^2) + eps), (N..., 1)
+        self._cache = (xhat, r / c)  # rrms = 1 / sqrt(mean(x^2) + eps)
         return xhat * self.weight.data
 
     def backward(self, grad_out: np.ndarray) -> np.ndarray:

@@ -14,7 +14,7 @@ from tfm_common.validate import check_positions, check_real, check_rope_tables, 
 
 from .attention import AttentionImpl, check_attn_impl
 from .kv_cache import cache_append
-from .layers import Dropout, Linear, norm_scale
+from .layers import Dropout, Linear, norm_scaled
 from .masks import check_mask
 from .module import Module, as_generator, at_the_door, autocast_dtype, check_dtype, check_input
 
@@ -46,8 +46,7 @@ class RMSNorm(Module):
         check_input("RMSNorm", x, last_dim=self.d, dtype=self.weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        c = norm_scale(x, (-1,))  # 1, or max|x| where squaring x would overflow (see tfm_numpy's RMSNorm)
-        u = x / c  # x itself in an ordinary row
+        u, c = norm_scaled(x, (-1,))  # x / c: c = max|x| where x^2 would overflow (see tfm_numpy's RMSNorm), else 1
         return u * torch.rsqrt((u * u).mean(dim=-1, keepdim=True) + self.eps / c / c) * self.weight
 
     def extra_repr(self) -> str:
