@@ -414,3 +414,15 @@ def test_decode_cache_validator_refuses_another_models_cache(L):
         check_decode_cache(cache, 1, n_layers=3, heads=2, d_head=4)
     with pytest.raises(ValueError, match=r"layer 0 of the cache holds keys \(1, 2, 1, 4\), expected .*\(1, 4, 1, 2\)"):
         check_decode_cache(cache, 1, n_layers=2, heads=4, d_head=2)
+
+
+@TRACKS
+@pytest.mark.parametrize("name", NORMS)
+def test_norms_of_an_empty_batch_and_of_non_finite_rows(L, name):
+    """The overflow test of x's extremes must not trip on an empty batch (the ViT and the GPT take B = 0); a row
+    holding inf or NaN gives NaN in that row only, as before."""
+    m = NORMS[name](L, f64dt(L))
+    assert tuple(m(f64(L, (0, 4))).shape) == (0, 4)
+    x = np.array([[1.0, 2.0, 3.0, 4.0], [1e200, 1e300, -1e300, 0.0], [np.nan, 1.0, 2.0, 3.0]])
+    y = np.asarray(detached(L, m(T(L, x))))
+    assert np.isfinite(y[:2]).all() and np.isnan(y[2]).all()
