@@ -3,6 +3,10 @@
 Masks are boolean and `True` means "may attend". A padding mask has shape `(B, 1, 1, Tk)`, a causal
 mask `(1, 1, T, T)`; both broadcast against the scores `(B, H, Tq, Tk)`. (`torch.nn.MultiheadAttention`
 uses the opposite meaning, True = "may NOT attend"; convert at that boundary with `~mask`.)
+
+A mask gives every axis of the scores it is used with (sizes 1 to broadcast), or is a (Tk,) mask of keys for every
+row: with fewer axes broadcasting aligns it from the right, and a (B, Tk) padding mask would silently be read as
+(Tq, Tk) whenever Tq == B (`check_mask` refuses it, `tfm_common.validate.check_mask_axes`).
 """
 
 from __future__ import annotations

@@ -42,7 +42,9 @@ def window_partition(x: np.ndarray, window_size: int) -> np.ndarray:
 
 
 def window_reverse(windows: np.ndarray, window_size: int, H: int, W: int) -> np.ndarray:
-    """(B nW, M M, C) -> (B, H, W, C): the inverse of `window_partition`."""
+    """(B nW, M M, C) -> (B, H, W, C): the inverse of `window_partition`. B is what is left, len(windows) / nW with
+    nW = (H/M)(W/M): a count that is not a whole number of images is refused, but an H and W of another nW that
+    divides the count cannot be told from another batch size (pass the H and W that window_partition was given)."""
     check_window_grid("window_reverse", H, W, window_size)
     if at_the_door():  # inside SwinBlock, its own windows
         _check_windows("window_reverse", "windows", windows, 3)

@@ -2,6 +2,7 @@
 
 Masks are boolean, True = "may attend" (the opposite of `torch.nn.MultiheadAttention`'s `attn_mask` /
 `key_padding_mask`; the same as the boolean `attn_mask` of `torch.nn.functional.scaled_dot_product_attention`).
+A mask gives every axis of the scores (sizes 1 to broadcast) or is a (Tk,) mask of keys, as tfm_numpy.masks says.
 """
 
 from __future__ import annotations
