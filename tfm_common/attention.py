@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 
 from .pitfalls import SCORE_SCALES
-from .validate import check_choice, check_size, check_sizes
+from .validate import check_choice, check_flag, check_positions, check_size, check_sizes
 
 __all__ = ["check_heads", "check_kv_heads", "check_rotary", "refuse_flash_dropout", "cached_positions",
            "MultiHeadAttentionDoor", "GroupedQueryAttentionDoor", "switch_attention", "attn_impl_repr", "tiles",
@@ -55,12 +55,20 @@ def refuse_flash_dropout(owner: str, module) -> None:
         )
 
 
-def cached_positions(owner: str, cache: dict, batch: int) -> int:
-    """How many positions a self-attention's decoding cache holds, after checking it holds the input's batch."""
+def cached_positions(owner: str, cache: dict, batch: int, heads: int | None = None, d_head: int | None = None) -> int:
+    """How many positions a self-attention's decoding cache holds, after checking it is a dict holding the input's
+    batch (and, where given, keys of `heads` heads of d_head: a cache from another model is refused, not misread)."""
+    if not isinstance(cache, dict):
+        raise TypeError(f"{owner}: cache expected a dict (empty at the first step), got {type(cache).__name__}")
     if "k" in cache and cache["k"].shape[0] != batch:
         raise ValueError(
             f"{owner}: the cache holds {cache['k'].shape[0]} rows, the input has {batch}; start a new cache for "
             "a new batch (or reorder it with reorder_cache)"
+        )
+    if "k" in cache and heads is not None and tuple(cache["k"].shape[1::2]) != (heads, d_head):
+        raise ValueError(
+            f"{owner}: the cache holds keys of shape {tuple(cache['k'].shape)}, this module's are (B, {heads}, T, "
+            f"{d_head}): a cache from another model; start a new cache"
         )
     return cache["k"].shape[2] if "k" in cache else 0
 
@@ -83,7 +91,10 @@ class AttentionDoor:
 
     def _check_call(self, owner: str, batch: int, tq: int, tk: int, mask) -> None:
         """The mask against the scores (B, H, Tq, Tk) (also for attn_impl="sdpa", whose kernel would read a float
-        mask as an additive bias); the tiled kernel's refusal of attention dropout."""
+        mask as an additive bias); the tiled kernel's refusal of attention dropout. At least one key: a softmax over
+        none has nothing to normalize (scaled_dot_product_attention refuses it alike)."""
+        if tk < 1:
+            raise ValueError(f"{owner}: attention needs at least one key (Tk >= 1), got Tk=0")
         if mask is not None:
             self._check_mask(mask, (batch, self.n_heads, tq, tk))
         refuse_flash_dropout(owner, self)
@@ -108,6 +119,7 @@ class MultiHeadAttentionDoor(AttentionDoor):
         super().__init__()
         owner, parts = type(self).__name__, self._parts
         self.d_model, self.n_heads, self.d_head = check_heads(owner, d_model, n_heads)
+        bias = check_flag(owner, "bias", bias)  # "no" would be truthy: biases the caller did not ask for
         self.attn_impl, self.tile_size = parts.check_attn_impl(owner, attn_impl, tile_size)
         self.score_scale = check_choice(owner, "score_scale", score_scale, SCORE_SCALES)
         # 1/sqrt(H) on the queries turns the 1/sqrt(dk) of the attention into 1/sqrt(d_model); None: the paper's
@@ -124,7 +136,7 @@ class MultiHeadAttentionDoor(AttentionDoor):
 
     def _check_forward_step(self, query, key, value, cache: dict, mask=None, *, static: bool = False) -> None:
         self._check_inputs("MultiHeadAttention", {"query": query, "key": key, "value": value})
-        cached = cached_positions("MultiHeadAttention", cache, query.shape[0])  # (or, static, memory keys)
+        cached = cached_positions("MultiHeadAttention", cache, query.shape[0], self.n_heads, self.d_head)  # or memory
         keys = cached if static and "k" in cache else cached + key.shape[1]
         self._check_call("MultiHeadAttention", query.shape[0], query.shape[1], keys, mask)
 
@@ -154,6 +166,7 @@ class GroupedQueryAttentionDoor(AttentionDoor):
         owner, parts = "GroupedQueryAttention", self._parts
         self.d_model, self.n_heads, self.d_head = check_heads(owner, d_model, n_heads)
         self.n_kv_heads = check_kv_heads(owner, n_heads, n_kv_heads)
+        bias = check_flag(owner, "bias", bias)
         check_rotary(owner, rotary, self.d_head, parts.RotaryEmbedding)
         dt, rng = parts.check_dtype(dtype), parts.as_rng(rng)
         d_kv = self.n_kv_heads * self.d_head
@@ -168,11 +181,16 @@ class GroupedQueryAttentionDoor(AttentionDoor):
 
     def _check_forward(self, x, mask=None, offset=0) -> None:
         self._check_inputs("GroupedQueryAttention", {"x": x}, ndim_min=3)
+        # the position of x's first token, with or without RoPE (a model passes it on to its layers alike)
+        offset = check_size("GroupedQueryAttention", "offset", offset, minimum=0)
+        if self.rotary is not None:
+            check_positions("GroupedQueryAttention", x.shape[1], offset, self.rotary.max_len)
         self._check_call("GroupedQueryAttention", x.shape[0], x.shape[1], x.shape[1], mask)
 
     def _check_forward_step(self, x, cache, mask=None) -> None:
         self._check_inputs("GroupedQueryAttention", {"x": x}, ndim_min=3)
-        keys = cached_positions("GroupedQueryAttention", cache, x.shape[0]) + x.shape[1]  # and the new ones
+        cached = cached_positions("GroupedQueryAttention", cache, x.shape[0], self.n_kv_heads, self.d_head)
+        keys = cached + x.shape[1]  # and the new ones
         self._check_call("GroupedQueryAttention", x.shape[0], x.shape[1], keys, mask)
 
     def extra_repr(self) -> str:

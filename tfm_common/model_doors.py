@@ -97,7 +97,24 @@ class GPTDoor:
         self._check_tokens(tokens, 0)
 
     def _check_forward_step(self, tokens, cache: dict) -> None:
-        self._check_tokens(tokens, cache.get("length", 0))
+        """cache: a dict, empty at the first call, then what this model's forward_step filled for this batch."""
+        owner = "GPT.forward_step"
+        if not isinstance(cache, dict):
+            raise TypeError(f"{owner}: cache expected a dict (empty at the first call), got {type(cache).__name__}")
+        length = check_size(owner, "cache['length']", cache.get("length", 0), minimum=0)
+        self._check_tokens(tokens, length)
+        layers, attn = cache.get("layers", [{}] * len(self.layers) if length == 0 else None), self.layers[0].self_attn
+        if not isinstance(layers, list) or len(layers) != len(self.layers):
+            got = f"{len(layers)} layers" if isinstance(layers, list) else f"layers {type(layers).__name__}"
+            raise ValueError(f"{owner}: the cache holds {got} for length {length}, this model has {len(self.layers)}"
+                             " layers: a cache from another model; start a new cache ({})")  # fmt: skip
+        want = (tokens.shape[0], attn.n_kv_heads, length, attn.d_head)
+        for i, layer in enumerate(layers):
+            got = [tuple(layer[n].shape) for n in ("k", "v") if isinstance(layer, dict) and n in layer]
+            if got != [want, want] and not (length == 0 and layer == {}):
+                raise ValueError(f"{owner}: layer {i} of the cache holds keys and values {got}, expected (B, "
+                                 f"n_kv_heads, length, d_head) = {want}: a cache from another model or batch; "
+                                 "start a new cache ({})")  # fmt: skip
 
     def _check_generate(self, tokens, max_new_tokens, temperature, top_k, rng):
         """(max_new_tokens, temperature, top_k, a numpy Generator), checked with the prompt."""
@@ -226,6 +243,10 @@ class SwinDoor(ImageModelDoor):
         self.norm = parts.LayerNorm(dim, dtype=dt)
         self.head = parts.Linear(dim, n_classes, rng=rng, dtype=dt)
 
+    def _check_forward(self, images) -> None:
+        super()._check_forward(images)
+        refuse_empty_batch("Swin", "images", tuple(images.shape))
+
     def attention_weights(self) -> list:
         """[(B nW, heads, M M, M M) per block] from the last forward."""
         return [block.attn.attn_weights for stage in self.stages for block in stage]
@@ -281,8 +302,19 @@ class GridDoor:
             raise ValueError(f"{owner}: x expected shape (B, {H * W}, {d}), got {tuple(x.shape)}")
 
 
+def refuse_empty_batch(owner: str, arg: str, shape: tuple[int, ...]) -> None:
+    """Swin's blocks view their rows as (B, H, W, d), a reshape that cannot infer d from no rows: an empty batch is
+    refused (in both tracks alike), where the ViT and the GPT return an empty result."""
+    if shape[0] == 0:
+        raise ValueError(f"{owner}: {arg} expected a batch of at least one (B >= 1), got shape {shape}")
+
+
 class SwinBlockDoor(GridDoor):
     _owner, _norm = "SwinBlock", "norm1"
+
+    def _check_forward(self, x) -> None:
+        super()._check_forward(x)
+        refuse_empty_batch("SwinBlock", "x", tuple(x.shape))
 
     def __init__(self, d_model: int, n_heads: int, d_ff: int, resolution: tuple[int, int], window_size: int,
                  shift: int = 0, dropout: float = 0.0, *, rng=None, dtype=None):  # fmt: skip

@@ -9,13 +9,16 @@ almost always a bug (`d_model / n_heads`).
 
 from __future__ import annotations
 
+import functools
 import numbers
 
 import numpy as np
 
 __all__ = ["check_size", "check_sizes", "check_flag", "check_choice", "check_seed", "check_real", "check_probability",
            "check_padding_idx", "check_positions", "check_adam_args", "normalized_shape",
-           "check_decode_cache", "decreed_zero_rows"]  # fmt: skip
+           "check_decode_cache", "decreed_zero_rows", "check_mask_axes",
+           "behind_door", "check_fill", "check_rope_tables",
+           "check_int", "check_window_count"]  # fmt: skip
 
 
 def _is_int(value) -> bool:
@@ -147,8 +150,11 @@ def normalized_shape(owner: str, value) -> tuple[int, ...]:
     return (check_size(owner, "normalized_shape", value),)
 
 
-def check_decode_cache(cache, batch: int) -> None:
-    """Transformer.decode_step's cache (either track): a dict, empty at the first step, then of one batch size."""
+def check_decode_cache(cache, batch: int, n_layers: int | None = None, heads: int | None = None,
+                       d_head: int | None = None) -> None:  # fmt: skip
+    """Transformer.decode_step's cache (either track): a dict, empty at the first step, then of one batch size; where
+    the model's n_layers, heads and d_head are given, filled by a model of those (one self-attention cache per layer,
+    keys (B, heads, length, d_head)), so that another model's cache is refused before anything is appended."""
     if not isinstance(cache, dict):
         raise TypeError(
             f"Transformer.decode_step: cache expected a dict (empty at the first step), got {type(cache).__name__}"
@@ -158,6 +164,20 @@ def check_decode_cache(cache, batch: int) -> None:
             f"Transformer.decode_step: the cache holds {cache['keep'].shape[0]} sequences, tgt_new has {batch}: "
             "start a new cache ({}) for another batch, or select rows with reorder_cache"
         )
+    if n_layers is None or "layers" not in cache:
+        return
+    layers, length = cache["layers"], cache.get("length", 0)
+    if not isinstance(layers, list) or len(layers) != n_layers:
+        got = f"{len(layers)} layers" if isinstance(layers, list) else f"layers {type(layers).__name__}"
+        raise ValueError(f"Transformer.decode_step: the cache holds {got}, this model has {n_layers}: a cache from "
+                         "another model; start a new cache ({})")  # fmt: skip
+    want = (batch, heads, length, d_head)
+    for i, layer in enumerate(layers):
+        k = layer.get("self_attn", {}).get("k") if isinstance(layer, dict) else None
+        if k is not None and tuple(k.shape) != want:
+            raise ValueError(f"Transformer.decode_step: layer {i} of the cache holds keys {tuple(k.shape)}, expected "
+                             f"(B, n_heads, length, d_head) = {want}: a cache from another model; start a new cache "
+                             "({})")  # fmt: skip
 
 
 def decreed_zero_rows(module) -> dict[str, int]:
@@ -168,3 +188,75 @@ def decreed_zero_rows(module) -> dict[str, int]:
         if getattr(m, "padding_idx", None) is not None and id(getattr(m, "weight", None)) in names:
             rows[names[id(m.weight)]] = m.padding_idx
     return rows
+
+
+def check_mask_axes(mask_shape: tuple[int, ...], scores_shape: tuple[int, ...]) -> None:
+    """A mask (broadcasting to the scores) names its axes: as many dimensions as the scores (..., Tq, Tk), or one,
+    (Tk,), the same keys for every row. With fewer, broadcasting aligns the mask from the right, and a (B, Tk) padding
+    mask would be read as (Tq, Tk) whenever Tq == B: silently the wrong axis. Both tracks' check_mask call this."""
+    if len(mask_shape) not in (1, len(scores_shape)):
+        raise ValueError(
+            f"mask: shape {tuple(mask_shape)} has {len(mask_shape)} dimensions, the attention scores "
+            f"{tuple(scores_shape)} have {len(scores_shape)}: give every axis (size 1 to broadcast), e.g. "
+            "(B, 1, 1, Tk) for padding or (1, 1, Tq, Tk) for a causal mask, or a (Tk,) mask for every row"
+        )
+
+
+def behind_door(func, check):
+    """`func` with its checks in front: `check(*args, **kwargs)` runs, then `func(*args, **kwargs)`. For a public
+    function a chapter prints (padding_mask, apply_rope, attention_weights): its printed body keeps the math alone,
+    since `show_source` (inspect.getsource) and tests/test_printed_methods.py follow `__wrapped__` to it."""
+
+    @functools.wraps(func)
+    def door(*args, **kwargs):
+        check(*args, **kwargs)
+        return func(*args, **kwargs)
+
+    return door
+
+
+def check_fill(owner: str, fill) -> None:
+    """attention_weights' `fill` (the book's experiment): None, or the number masked scores become (-1e9, -1e4,
+    -inf): a real number, not NaN and not +inf (either would make every masked row NaN or all-masked)."""
+    if fill is None:
+        return
+    if isinstance(fill, (bool, np.bool_)) or not isinstance(fill, numbers.Real):
+        raise TypeError(f"{owner}: fill expected None or a float such as -1e9 or float('-inf'), got "
+                        f"{type(fill).__name__} {fill!r}")  # fmt: skip
+    if np.isnan(fill) or fill == np.inf:
+        raise ValueError(f"{owner}: fill must be a number below +inf such as -1e9 or float('-inf'), got {fill}")
+
+
+def check_rope_tables(owner: str, x_shape: tuple[int, ...], cos_shape: tuple[int, ...], sin_shape: tuple[int, ...]):
+    """apply_rope's shapes: x (..., T, d) with d even, cos and sin (T, d/2) exactly, one angle per position and pair:
+    a table of another length would broadcast (one of length 1 turns every position by position 0's angles)."""
+    T, d = x_shape[-2], x_shape[-1]
+    if d % 2:
+        raise ValueError(f"{owner}: x's last dimension must be even (its columns rotate in pairs), got shape {x_shape}")
+    for arg, shape in (("cos", cos_shape), ("sin", sin_shape)):
+        if tuple(shape) != (T, d // 2):
+            raise ValueError(
+                f"{owner}: {arg} expected shape ({T}, {d // 2}) (x's T positions, d/2 pairs), got {tuple(shape)}; "
+                f"take the table's rows of x's positions, e.g. {arg}[offset : offset + T]"
+            )
+
+
+def check_int(owner: str, arg: str, value) -> int:
+    """An int of either sign (Python or NumPy, not a bool): a shift, say. Returned as a Python int."""
+    if not _is_int(value):
+        raise TypeError(f"{owner}: {arg} expected an int, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
+def check_window_count(owner: str, shape: tuple[int, ...], window_size: int, H: int, W: int) -> None:
+    """window_reverse's windows (B nW, M M, C) for an H x W grid (a checked one): M M tokens each, and a whole number
+    of images of nW = (H/M)(W/M) windows. (An H and W of another nW that still divides the count cannot be told
+    from another batch size: the result then has B nW / nW' images.)"""
+    M, nW = window_size, (H // window_size) * (W // window_size)
+    if len(shape) != 3 or shape[1] != M * M:
+        raise ValueError(f"{owner}: windows expected shape (B nW, {M * M}, C) for window_size={M}, got {tuple(shape)}")
+    if shape[0] % nW:
+        raise ValueError(
+            f"{owner}: {shape[0]} windows are not a whole number of {H}x{W} grids of nW={nW} windows each "
+            f"(window_size={M}); pass the H and W that window_partition was given"
+        )

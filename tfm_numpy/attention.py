@@ -16,7 +16,7 @@ import numpy as np
 from tfm_common.attention import MultiHeadAttentionDoor, refuse_flash_dropout, switch_attention
 from tfm_common.config import own_init
 from tfm_common.pitfalls import HEAD_PROJECTIONS, SCORE_SCALES
-from tfm_common.validate import check_choice, check_size
+from tfm_common.validate import behind_door, check_choice, check_fill, check_size
 
 from .flash import flash_attention, flash_attention_backward
 from .kv_cache import cache_append
@@ -137,6 +137,18 @@ def scaled_dot_product_attention_backward(grad_out, q, k, v, weights, mask=None)
     dq, dk = attention_weights_backward(d_weights, q, k, weights, mask)
     return dq, dk, dv
 
+
+# `fill` checked in front of the printed functions (tfm_common.validate.behind_door): their bodies stay the lesson
+def _check_attention_weights(q, k, mask=None, *, fill=None) -> None:
+    check_fill("attention_weights", fill)
+
+
+def _check_sdpa(q, k, v, mask=None, *, fill=None) -> None:
+    check_fill("scaled_dot_product_attention", fill)
+
+
+attention_weights = behind_door(attention_weights, _check_attention_weights)
+scaled_dot_product_attention = behind_door(scaled_dot_product_attention, _check_sdpa)
 
 # -- multi-head attention ------------------------------------------------------------------------------------
 

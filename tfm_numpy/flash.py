@@ -31,7 +31,7 @@ from tfm_common.attention import mask_tile, tiles
 from tfm_common.validate import check_size
 
 from .masks import check_qkv
-from .module import at_the_door, check_grad
+from .module import at_the_door
 
 __all__ = ["flash_attention", "flash_attention_backward", "flash_attention_counts"]
 
@@ -40,7 +40,7 @@ def _prepare(name: str, q, k, v, mask, tile_size):
     """Checks shared by forward and backward (a module's door has made them); the mask made at least 2-D so that its
     tiles can be sliced."""
     if at_the_door():
-        check_qkv(q, k, v, mask=mask)
+        check_qkv(q, k, v, mask=mask, name=name)
     tile = check_size(name, "tile_size", tile_size)
     if mask is not None:
         mask = mask.reshape((1,) * (2 - mask.ndim) + mask.shape)
@@ -101,11 +101,22 @@ def _forward_rows(q_i, k, v, mask, rows: slice, tile: int, scale: float):
 
 
 def _check_saved(grad_out, q, out, lse) -> None:
-    """The backward's own inputs: grad_out shaped like the forward's out, lse (..., Tq) as the forward gave it."""
-    check_grad("flash_attention", grad_out, out.shape, q.dtype)
-    if not isinstance(lse, np.ndarray) or lse.shape != q.shape[:-1] or lse.dtype != q.dtype:
-        got = f"shape {lse.shape}, dtype {lse.dtype}" if isinstance(lse, np.ndarray) else type(lse).__name__
-        raise ValueError(f"flash_attention_backward: lse expected shape {q.shape[:-1]}, dtype {q.dtype}, got {got}")
+    """The backward's own inputs, as the forward gave them (messages as tfm_torch's): out (..., Tq, dv), grad_out of
+    out's shape, lse (..., Tq), all of q's dtype."""
+    name, lead = "flash_attention_backward", q.shape[:-1]  # (..., Tq)
+    for arg, x in (("grad_out", grad_out), ("out", out), ("lse", lse)):
+        if not isinstance(x, np.ndarray):
+            raise TypeError(f"{name}: {arg} expected a numpy.ndarray (what flash_attention returned), got "
+                            f"{type(x).__name__}")  # fmt: skip
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name}: {arg} expected dtype {q.dtype} (q's), got {x.dtype}")
+    if out.shape[:-1] != lead:
+        raise ValueError(f"{name}: out expected shape {lead} + (dv,) (the forward's), got {out.shape}")
+    if grad_out.shape != out.shape:
+        raise ValueError(f"{name}: grad_out and out must have one shape (flash_attention's output), got grad_out "
+                         f"{grad_out.shape} and out {out.shape}")  # fmt: skip
+    if lse.shape != lead:
+        raise ValueError(f"{name}: lse expected shape {lead} (q's without dk), got {lse.shape}")
 
 
 def flash_attention_backward(grad_out, q, k, v, out, lse, mask=None, *, tile_size: int = 64):

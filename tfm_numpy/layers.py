@@ -208,6 +208,19 @@ class Dropout(Module):
         return f"p={self.p}"
 
 
+def norm_scaled(x: np.ndarray, axes) -> tuple[np.ndarray, np.ndarray | np.floating]:
+    """(x / c, c), what LayerNorm and RMSNorm square: c (N..., 1...) is max|x| in a normalized group so large that its
+    squares could overflow (max|x| above finfo.max^(1/4): 2^32 in float32, 2^256 in float64; a float32 x of 1e30
+    squares to inf), 1 in the others. When no group is that large (any ordinary input: one test of x's extremes),
+    returns x itself and c = 1: the norms then compute the plain formula's numbers, bit for bit."""
+    big = np.finfo(x.dtype).max ** 0.25
+    if x.size == 0 or max(x.max(), -x.min()) <= big:  # (a NaN fails the test: the groups' scales sort it out)
+        return x, x.dtype.type(1)
+    c = np.maximum(x.max(axis=axes, keepdims=True), -x.min(axis=axes, keepdims=True))  # max|x| per group
+    c = np.where(c > big, c, 1).astype(x.dtype)
+    return x / c, c
+
+
 class LayerNorm(Module):
     """Normalize over the last len(normalized_shape) dims, then scale and shift (exactly torch.nn.LayerNorm):
         mu = mean(x), var = mean((x - mu)^2)  (biased: divide by n, not n - 1)
@@ -221,6 +234,10 @@ class LayerNorm(Module):
     The last line comes from d xhat_i / d x_j = rstd (delta_ij - 1/n - xhat_i xhat_j / n): the mean
     term removes the component along (1, ..., 1), the xhat term the component along xhat (both
     directions that the normalization cannot change).
+
+    A group so large that its squares would overflow (float32 |x| above 2^32) is divided by c = max|x| first and
+    its statistics taken of x / c (`norm_scaled`): rstd = 1 / (c sqrt(var(x/c) + eps / c^2)). Every other group is
+    computed as written above, bit for bit.
     """
 
     _kept_inputs = ()  # backward needs xhat and rstd, computed here: no copy of x
@@ -243,13 +260,14 @@ class LayerNorm(Module):
 
     def forward(self, x: np.ndarray) -> np.ndarray:
         axes = tuple(range(-len(self.normalized_shape), 0))
-        mu = x.mean(axis=axes, keepdims=True)  # (N..., 1...)
-        xc = x - mu
-        var = np.square(xc).mean(axis=axes, keepdims=True)  # biased variance
-        rstd = 1 / np.sqrt(var + self.eps)  # (N..., 1...)
+        u, c = norm_scaled(x, axes)  # x / c: c = max|x| where x's squares would overflow, else 1 (u is x)
+        mu = u.mean(axis=axes, keepdims=True)  # (N..., 1...)
+        xc = u - mu
+        var = np.square(xc).mean(axis=axes, keepdims=True)  # biased variance (of x / c)
+        rstd = 1 / np.sqrt(var + self.eps / c / c)  # (N..., 1...): 1 / sqrt(var(x) + eps), times c
         xhat = xc
         xhat *= rstd  # (N..., *normalized_shape), in place of xc (no longer needed)
-        self._cache = (xhat, rstd, axes)
+        self._cache = (xhat, rstd / c, axes)  # the backward's rstd: 1 / sqrt(var(x) + eps)
         y = xhat * self.weight.data
         y += self.bias.data
         return y

@@ -3,11 +3,17 @@
 Masks are boolean and `True` means "may attend". A padding mask has shape `(B, 1, 1, Tk)`, a causal
 mask `(1, 1, T, T)`; both broadcast against the scores `(B, H, Tq, Tk)`. (`torch.nn.MultiheadAttention`
 uses the opposite meaning, True = "may NOT attend"; convert at that boundary with `~mask`.)
+
+A mask gives every axis of the scores it is used with (sizes 1 to broadcast), or is a (Tk,) mask of keys for every
+row: with fewer axes broadcasting aligns it from the right, and a (B, Tk) padding mask would silently be read as
+(Tq, Tk) whenever Tq == B (`check_mask` refuses it, `tfm_common.validate.check_mask_axes`).
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+from tfm_common.validate import behind_door, check_mask_axes, check_size
 
 from .module import FLOAT_DTYPES
 
@@ -27,6 +33,14 @@ def padding_mask(tokens: np.ndarray, pad_id: int) -> np.ndarray:
     return (tokens != pad_id)[:, None, None, :]
 
 
+def _check_padding_mask(tokens, pad_id) -> None:
+    """padding_mask's door: pad_id a token id, an int >= 0 (None or a float would mask nothing, silently)."""
+    check_size("padding_mask", "pad_id", pad_id, minimum=0)
+
+
+padding_mask = behind_door(padding_mask, _check_padding_mask)  # the printed body stays the lesson
+
+
 def causal_mask(T: int) -> np.ndarray:
     """(1, 1, T, T) bool, lower triangular: query i may attend to keys 0..i, never to the future."""
     if T < 1:
@@ -40,7 +54,8 @@ def decoder_mask(tgt_tokens: np.ndarray, pad_id: int) -> np.ndarray:
 
 
 def check_mask(mask, scores_shape: tuple[int, ...]) -> None:
-    """A boolean array that broadcasts to the scores' shape (..., Tq, Tk) without growing it."""
+    """A boolean array that broadcasts to the scores' shape (..., Tq, Tk) without growing it, along the
+    right axes (`check_mask_axes`)."""
     if not isinstance(mask, np.ndarray) or mask.dtype != np.bool_:
         got = f"dtype {mask.dtype}" if isinstance(mask, np.ndarray) else type(mask).__name__
         raise TypeError(f"mask: expected a boolean numpy array (True = may attend), got {got}; use mask.astype(bool)")
@@ -50,12 +65,12 @@ def check_mask(mask, scores_shape: tuple[int, ...]) -> None:
         ok = False
     if not ok:
         raise ValueError(f"mask: shape {mask.shape} does not broadcast to the attention scores' shape {scores_shape}")
+    check_mask_axes(mask.shape, scores_shape)
 
 
-def check_qkv(q, k, v=None, *, mask=None) -> None:
+def check_qkv(q, k, v=None, *, mask=None, name: str = "scaled_dot_product_attention") -> None:
     """Attention's inputs: float arrays of one dtype, q/k sizes equal, keys and values paired; the mask, if given,
-    against the scores (..., Tq, Tk)."""
-    name = "scaled_dot_product_attention"
+    against the scores (..., Tq, Tk). `name`: the function the messages name."""
     for arg, x in (("q", q), ("k", k), ("v", v)):
         if x is None:
             continue
@@ -73,5 +88,7 @@ def check_qkv(q, k, v=None, *, mask=None) -> None:
         raise ValueError(f"{name}: q and k must have the same leading dimensions, got q {q.shape} and k {k.shape}")
     if v is not None and v.shape[:-1] != k.shape[:-1]:
         raise ValueError(f"{name}: k and v must have the same shape but the last dim, got k {k.shape} and v {v.shape}")
+    if k.shape[-2] == 0:  # softmax over no keys: nothing to normalize (one rule for the explicit and tiled kernels)
+        raise ValueError(f"{name}: k must hold at least one key (Tk >= 1), got k {k.shape}")
     if mask is not None:
         check_mask(mask, (*q.shape[:-1], k.shape[-2]))

@@ -13,13 +13,20 @@ import numpy as np
 
 from tfm_common.attention import GroupedQueryAttentionDoor, check_kv_heads
 from tfm_common.config import own_init
-from tfm_common.validate import check_positions, check_real, check_size, check_sizes
+from tfm_common.validate import (
+    behind_door,
+    check_positions,
+    check_real,
+    check_rope_tables,
+    check_size,
+    check_sizes,
+)
 
 from .attention import AttentionImpl, check_attn_impl
 from .kv_cache import cache_append
-from .layers import Dropout, Linear
+from .layers import Dropout, Linear, norm_scaled
 from .masks import check_mask
-from .module import Module, Parameter, as_rng, check_dtype, check_input
+from .module import Module, Parameter, as_rng, at_the_door, check_dtype, check_input
 
 __all__ = [
     "RMSNorm",
@@ -45,6 +52,10 @@ class RMSNorm(Module):
         dxhat = g * weight,   dL/dx = rrms * (dxhat - xhat * mean(dxhat * xhat))
     from d xhat_i / d x_j = rrms (delta_ij - xhat_i xhat_j / n): only the component along xhat is removed (the one
     direction that scaling x cannot change), not the mean as well, as in LayerNorm.
+
+    A row so large that x^2 would overflow (float32 |x| above 2^32; 1e30 squares to inf, and the plain formula
+    returns zeros) is divided by c = max|x| before squaring, rrms = 1 / (c sqrt(mean((x/c)^2) + eps / c^2)), as
+    careful implementations do (`norm_scaled`); every other row is computed as written above, bit for bit.
     """
 
     def __init__(self, d: int, eps: float = 1e-6, *, dtype=np.float32):
@@ -59,9 +70,10 @@ class RMSNorm(Module):
         check_input("RMSNorm", x, last_dim=self.d, dtype=self.weight.dtype)
 
     def forward(self, x: np.ndarray) -> np.ndarray:
-        rrms = 1 / np.sqrt(np.square(x).mean(axis=-1, keepdims=True) + self.eps)  # (N..., 1)
-        xhat = x * rrms  # (N..., d)
-        self._cache = (xhat, rrms)
+        u, c = norm_scaled(x, -1)  # x / c: c = max|x| where x^2 would overflow (a float32 x of 1e30), else 1 (u is x)
+        r = 1 / np.sqrt(np.square(u).mean(axis=-1, keepdims=True) + self.eps / c / c)  # (N..., 1): rrms times c
+        xhat = u * r  # (N..., d): x * rrms
+        self._cache = (xhat, r / c)  # rrms = 1 / sqrt(mean(x^2) + eps)
         return xhat * self.weight.data
 
     def backward(self, grad_out: np.ndarray) -> np.ndarray:
@@ -106,6 +118,22 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     out[..., 0::2] = x0 * cos - x1 * sin
     out[..., 1::2] = x0 * sin + x1 * cos
     return out
+
+
+def _check_apply_rope(x, cos, sin) -> None:
+    """apply_rope's door (RotaryEmbedding's own calls pass: it checks x and slices its tables itself): x (..., T, d)
+    floats, cos and sin (T, d/2) of x's dtype (an int x would come back truncated to ints)."""
+    if not at_the_door():
+        return
+    check_input("apply_rope: x", x, ndim_min=2)
+    for arg, table in (("cos", cos), ("sin", sin)):
+        check_input(f"apply_rope: {arg}", table)
+        if table.dtype != x.dtype:
+            raise TypeError(f"apply_rope: {arg} expected x's dtype {x.dtype}, got {table.dtype}")
+    check_rope_tables("apply_rope", x.shape, cos.shape, sin.shape)
+
+
+apply_rope = behind_door(apply_rope, _check_apply_rope)  # the printed body stays the lesson
 
 
 class RotaryEmbedding(Module):
@@ -207,7 +235,16 @@ class SwiGLUFeedForward(Module):
 def repeat_kv(x: np.ndarray, n_rep: int) -> np.ndarray:
     """(B, Hkv, T, d) -> (B, Hkv * n_rep, T, d): key/value head j serves query heads j n_rep .. (j + 1) n_rep - 1
     (torch's enable_gqa layout). Its backward sums each group: grad.reshape(B, Hkv, n_rep, T, d).sum(axis=2)."""
+    if at_the_door():  # inside GroupedQueryAttention, n_rep is its own
+        _check_repeat_kv(x, n_rep)
     return x if n_rep == 1 else np.repeat(x, n_rep, axis=1)
+
+
+def _check_repeat_kv(x, n_rep) -> None:
+    check_size("repeat_kv", "n_rep", n_rep)  # a float would be truncated by np.repeat
+    if not isinstance(x, np.ndarray) or x.ndim != 4:
+        got = f"shape {x.shape}" if isinstance(x, np.ndarray) else type(x).__name__
+        raise ValueError(f"repeat_kv: x expected a numpy.ndarray (B, Hkv, T, d), got {got}")
 
 
 class GroupedQueryAttention(AttentionImpl, GroupedQueryAttentionDoor, Module):

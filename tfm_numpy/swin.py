@@ -21,10 +21,10 @@ import numpy as np
 
 from tfm_common.config import check_window_grid, own_init
 from tfm_common.model_doors import PatchMergingDoor, SwinBlockDoor, SwinDoor, WindowAttentionDoor
-from tfm_common.validate import check_size
+from tfm_common.validate import check_int, check_size, check_window_count
 
 from .layers import Dropout, LayerNorm, Linear
-from .module import Module, ModuleList, as_rng, check_dtype, check_input, normal_parameter
+from .module import Module, ModuleList, as_rng, at_the_door, check_dtype, check_input, normal_parameter
 from .sublayers import PositionwiseFeedForward
 from .vit import PatchEmbedding
 
@@ -42,8 +42,13 @@ def window_partition(x: np.ndarray, window_size: int) -> np.ndarray:
 
 
 def window_reverse(windows: np.ndarray, window_size: int, H: int, W: int) -> np.ndarray:
-    """(B nW, M M, C) -> (B, H, W, C): the inverse of `window_partition`."""
+    """(B nW, M M, C) -> (B, H, W, C): the inverse of `window_partition`. B is what is left, len(windows) / nW with
+    nW = (H/M)(W/M): a count that is not a whole number of images is refused, but an H and W of another nW that
+    divides the count cannot be told from another batch size (pass the H and W that window_partition was given)."""
     check_window_grid("window_reverse", H, W, window_size)
+    if at_the_door():  # inside SwinBlock, its own windows
+        _check_windows("window_reverse", "windows", windows, 3)
+        check_window_count("window_reverse", tuple(windows.shape), window_size, H, W)
     M, C = window_size, windows.shape[-1]
     x = windows.reshape(-1, H // M, W // M, M, M, C).transpose(0, 1, 3, 2, 4, 5)  # (B, H/M, M, W/M, M, C)
     return x.reshape(-1, H, W, C)
@@ -51,7 +56,17 @@ def window_reverse(windows: np.ndarray, window_size: int, H: int, W: int) -> np.
 
 def cyclic_shift(x: np.ndarray, shift: int) -> np.ndarray:
     """(B, H, W, C) rolled up and left by `shift` (row i+s moves to row i, with wrap-around); -shift undoes it."""
+    if at_the_door():  # inside SwinBlock, its own grid and shift
+        _check_windows("cyclic_shift", "x", x, 4)
+        check_int("cyclic_shift", "shift", shift)
     return np.roll(x, (-shift, -shift), axis=(1, 2))
+
+
+def _check_windows(owner: str, arg: str, x, ndim: int) -> None:
+    """A numpy.ndarray of `ndim` dimensions: (B nW, M M, C) windows or a (B, H, W, C) grid."""
+    if not isinstance(x, np.ndarray) or len(x.shape) != ndim:
+        got = f"shape {tuple(x.shape)}" if isinstance(x, np.ndarray) else type(x).__name__
+        raise ValueError(f"{owner}: {arg} expected a numpy.ndarray of {ndim} dimensions, got {got}")
 
 
 def shifted_window_mask(H: int, W: int, window_size: int, shift: int) -> np.ndarray:

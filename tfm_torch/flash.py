@@ -19,7 +19,7 @@ __all__ = ["flash_attention", "flash_attention_backward"]
 
 def _prepare(name: str, q, k, v, mask, tile_size):
     if at_the_door():  # inside a module, its door has checked them
-        check_qkv(q, k, v, mask=mask)
+        check_qkv(q, k, v, mask=mask, name=name)
     tile = check_size(name, "tile_size", tile_size)
     if mask is not None:
         mask = mask.reshape((1,) * (2 - mask.dim()) + tuple(mask.shape))
@@ -59,9 +59,29 @@ def _forward(q, k, v, mask, tile: int):
     return out, lse
 
 
+def _check_saved(grad_out, q, out, lse) -> None:
+    """The backward's own inputs, as the forward gave them (messages as tfm_numpy's): out (..., Tq, dv), grad_out of
+    out's shape, lse (..., Tq), all of q's dtype."""
+    name, lead = "flash_attention_backward", tuple(q.shape[:-1])  # (..., Tq)
+    for arg, x in (("grad_out", grad_out), ("out", out), ("lse", lse)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name}: {arg} expected a torch.Tensor (what flash_attention returned), got "
+                            f"{type(x).__name__}")  # fmt: skip
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name}: {arg} expected dtype {q.dtype} (q's), got {x.dtype}")
+    if tuple(out.shape[:-1]) != lead:
+        raise ValueError(f"{name}: out expected shape {lead} + (dv,) (the forward's), got {tuple(out.shape)}")
+    if grad_out.shape != out.shape:
+        raise ValueError(f"{name}: grad_out and out must have one shape (flash_attention's output), got grad_out "
+                         f"{tuple(grad_out.shape)} and out {tuple(out.shape)}")  # fmt: skip
+    if tuple(lse.shape) != lead:
+        raise ValueError(f"{name}: lse expected shape {lead} (q's without dk), got {tuple(lse.shape)}")
+
+
 def flash_attention_backward(grad_out, q, k, v, out, lse, mask=None, *, tile_size: int = 64):
     """(dq, dk, dv) from dL/dout, the forward's inputs, out and lse: the tiles' P recomputed from lse."""
     tile, mask = _prepare("flash_attention_backward", q, k, v, mask, tile_size)
+    _check_saved(grad_out, q, out, lse)
     scale = 1.0 / math.sqrt(q.shape[-1])
     big_d = (grad_out * out).sum(dim=-1, keepdim=True)  # (..., Tq, 1): rowsum(dO * O)
     lse_safe = torch.where(torch.isfinite(lse), lse, 0.0)[..., None]  # (..., Tq, 1)

@@ -137,6 +137,21 @@ class Dropout(Module):
         return f"p={self.p}"
 
 
+def norm_scaled(x: torch.Tensor, dims: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | float]:
+    """(x / c, c), what LayerNorm and RMSNorm square, as tfm_numpy's: c is max|x| in a group whose squares could
+    overflow (above finfo.max^(1/4)), 1 elsewhere (a division by 1: ordinary groups give the plain formula's
+    numbers, bit for bit). In eager mode on the CPU an input with no such group (one test of its extremes) comes
+    back as it is, with c = 1.0; on a GPU or under torch.compile, where that test would wait for the device or break
+    the graph, every group is divided by its c. c is detached: the result does not depend on it (up to rounding)."""
+    big = torch.finfo(x.dtype).max ** 0.25
+    if x.device.type == "cpu" and not torch.compiler.is_compiling():
+        if x.numel() == 0 or max(float(x.detach().amax()), -float(x.detach().amin())) <= big:
+            return x, 1.0
+    s = x.detach().abs().amax(dim=dims, keepdim=True)
+    c = torch.where(s > big, s, torch.ones_like(s))
+    return x / c, c
+
+
 class LayerNorm(Module):
     """(x - mean) / sqrt(var + eps) * weight + bias over the last len(normalized_shape) dims, biased variance.
 
@@ -161,9 +176,10 @@ class LayerNorm(Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dims = tuple(range(-len(self.normalized_shape), 0))
-        mu = x.mean(dim=dims, keepdim=True)
-        var = ((x - mu) ** 2).mean(dim=dims, keepdim=True)  # biased, like torch.nn.LayerNorm
-        return (x - mu) * torch.rsqrt(var + self.eps) * self.weight + self.bias
+        u, c = norm_scaled(x, dims)  # x / c: c = max|x| where x's squares would overflow, else 1
+        mu = u.mean(dim=dims, keepdim=True)
+        var = ((u - mu) ** 2).mean(dim=dims, keepdim=True)  # biased, like torch.nn.LayerNorm (of x / c)
+        return (u - mu) * torch.rsqrt(var + self.eps / c / c) * self.weight + self.bias
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}"

@@ -2,11 +2,14 @@
 
 Masks are boolean, True = "may attend" (the opposite of `torch.nn.MultiheadAttention`'s `attn_mask` /
 `key_padding_mask`; the same as the boolean `attn_mask` of `torch.nn.functional.scaled_dot_product_attention`).
+A mask gives every axis of the scores (sizes 1 to broadcast) or is a (Tk,) mask of keys, as tfm_numpy.masks says.
 """
 
 from __future__ import annotations
 
 import torch
+
+from tfm_common.validate import behind_door, check_mask_axes, check_size
 
 from .module import autocast_dtype
 
@@ -27,6 +30,14 @@ def padding_mask(tokens: torch.Tensor, pad_id: int) -> torch.Tensor:
     return (tokens != pad_id)[:, None, None, :]
 
 
+def _check_padding_mask(tokens, pad_id) -> None:
+    """padding_mask's door: pad_id a token id, an int >= 0 (None or a float would mask nothing, silently)."""
+    check_size("padding_mask", "pad_id", pad_id, minimum=0)
+
+
+padding_mask = behind_door(padding_mask, _check_padding_mask)  # the printed body stays the lesson
+
+
 def causal_mask(T: int, device=None) -> torch.Tensor:
     """(1, 1, T, T) torch.bool, lower triangular: query i may attend to keys 0..i."""
     if T < 1:
@@ -40,7 +51,8 @@ def decoder_mask(tgt_tokens: torch.Tensor, pad_id: int) -> torch.Tensor:
 
 
 def check_mask(mask, scores_shape: tuple[int, ...]) -> None:
-    """A boolean tensor that broadcasts to the scores' shape (..., Tq, Tk) without growing it."""
+    """A boolean tensor that broadcasts to the scores' shape (..., Tq, Tk) without growing it, along the
+    right axes (`check_mask_axes`)."""
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
         got = f"dtype {mask.dtype}" if isinstance(mask, torch.Tensor) else type(mask).__name__
         raise TypeError(f"mask: expected a boolean torch.Tensor (True = may attend), got {got}; use mask.bool()")
@@ -52,12 +64,12 @@ def check_mask(mask, scores_shape: tuple[int, ...]) -> None:
         raise ValueError(
             f"mask: shape {tuple(mask.shape)} does not broadcast to the attention scores' shape {scores_shape}"
         )
+    check_mask_axes(tuple(mask.shape), scores_shape)
 
 
-def check_qkv(q, k, v=None, *, mask=None) -> None:
+def check_qkv(q, k, v=None, *, mask=None, name: str = "scaled_dot_product_attention") -> None:
     """Attention's inputs: float tensors of one dtype, q/k sizes equal, keys and values paired; the mask, if given,
-    against the scores (..., Tq, Tk)."""
-    name = "scaled_dot_product_attention"
+    against the scores (..., Tq, Tk). `name`: the function the messages name."""
     for arg, x in (("q", q), ("k", k), ("v", v)):
         if x is None:
             continue
@@ -78,5 +90,7 @@ def check_qkv(q, k, v=None, *, mask=None) -> None:
         raise ValueError(
             f"{name}: k and v must have the same shape but the last dim, got k {ks} and v {tuple(v.shape)}"
         )
+    if ks[-2] == 0:  # softmax over no keys: nothing to normalize (one rule for the explicit and tiled kernels)
+        raise ValueError(f"{name}: k must hold at least one key (Tk >= 1), got k {ks}")
     if mask is not None:
         check_mask(mask, (*qs[:-1], ks[-2]))

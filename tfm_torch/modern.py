@@ -10,13 +10,13 @@ from torch import nn
 
 from tfm_common.attention import GroupedQueryAttentionDoor, check_kv_heads
 from tfm_common.config import own_init
-from tfm_common.validate import check_positions, check_real, check_size, check_sizes
+from tfm_common.validate import check_positions, check_real, check_rope_tables, check_size, check_sizes
 
 from .attention import AttentionImpl, check_attn_impl
 from .kv_cache import cache_append
-from .layers import Dropout, Linear
+from .layers import Dropout, Linear, norm_scaled
 from .masks import check_mask
-from .module import Module, as_generator, check_dtype, check_input
+from .module import Module, as_generator, at_the_door, autocast_dtype, check_dtype, check_input
 
 __all__ = [
     "RMSNorm",
@@ -46,7 +46,8 @@ class RMSNorm(Module):
         check_input("RMSNorm", x, last_dim=self.d, dtype=self.weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt((x * x).mean(dim=-1, keepdim=True) + self.eps) * self.weight
+        u, c = norm_scaled(x, (-1,))  # x / c: c = max|x| where x^2 would overflow (see tfm_numpy's RMSNorm), else 1
+        return u * torch.rsqrt((u * u).mean(dim=-1, keepdim=True) + self.eps / c / c) * self.weight
 
     def extra_repr(self) -> str:
         return f"{self.d}, eps={self.eps}"
@@ -66,8 +67,21 @@ def rope_angles(max_len: int, d_head: int, base: float = 10000.0, dtype=None) ->
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Each pair (x[..., 2i], x[..., 2i+1]) -> (x0 cos - x1 sin, x0 sin + x1 cos); cos, sin (T, d/2)."""
+    if at_the_door():  # RotaryEmbedding's own calls pass: it checks x and slices its tables itself
+        _check_apply_rope(x, cos, sin)
     x0, x1 = x[..., 0::2], x[..., 1::2]
     return torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).flatten(-2)  # pairs back in place
+
+
+def _check_apply_rope(x, cos, sin) -> None:
+    """x (..., T, d) floats, cos and sin (T, d/2) of x's dtype, as tfm_numpy's (under torch.autocast x comes in its
+    dtype and the tables stay float32)."""
+    check_input("apply_rope: x", x, ndim_min=2)
+    for arg, table in (("cos", cos), ("sin", sin)):
+        check_input(f"apply_rope: {arg}", table)
+        if table.dtype != x.dtype and not autocast_dtype(x):
+            raise TypeError(f"apply_rope: {arg} expected x's dtype {x.dtype}, got {table.dtype}")
+    check_rope_tables("apply_rope", tuple(x.shape), tuple(cos.shape), tuple(sin.shape))
 
 
 class RotaryEmbedding(Module):
@@ -123,7 +137,16 @@ class SwiGLUFeedForward(Module):
 
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     """(B, Hkv, T, d) -> (B, Hkv * n_rep, T, d), head j to query heads j n_rep .. (j + 1) n_rep - 1."""
+    if at_the_door():  # inside GroupedQueryAttention, n_rep is its own
+        _check_repeat_kv(x, n_rep)
     return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
+
+
+def _check_repeat_kv(x, n_rep) -> None:
+    check_size("repeat_kv", "n_rep", n_rep)
+    if not isinstance(x, torch.Tensor) or x.dim() != 4:
+        got = f"shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"repeat_kv: x expected a torch.Tensor (B, Hkv, T, d), got {got}")
 
 
 class GroupedQueryAttention(AttentionImpl, GroupedQueryAttentionDoor, Module):

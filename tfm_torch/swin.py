@@ -12,10 +12,10 @@ from torch import nn
 
 from tfm_common.config import check_window_grid, own_init
 from tfm_common.model_doors import PatchMergingDoor, SwinBlockDoor, SwinDoor, WindowAttentionDoor
-from tfm_common.validate import check_size
+from tfm_common.validate import check_int, check_size, check_window_count
 
 from .layers import Dropout, LayerNorm, Linear
-from .module import Module, as_generator, check_dtype, check_input, normal_parameter
+from .module import Module, as_generator, at_the_door, check_dtype, check_input, normal_parameter
 from .sublayers import PositionwiseFeedForward
 from .vit import PatchEmbedding
 
@@ -34,13 +34,26 @@ def window_partition(x: torch.Tensor, window_size: int) -> torch.Tensor:
 def window_reverse(windows: torch.Tensor, window_size: int, H: int, W: int) -> torch.Tensor:
     """(B nW, M M, C) -> (B, H, W, C)."""
     check_window_grid("window_reverse", H, W, window_size)
+    if at_the_door():  # inside SwinBlock, its own windows
+        _check_windows("window_reverse", "windows", windows, 3)
+        check_window_count("window_reverse", tuple(windows.shape), window_size, H, W)
     M, C = window_size, windows.shape[-1]
     return windows.reshape(-1, H // M, W // M, M, M, C).permute(0, 1, 3, 2, 4, 5).reshape(-1, H, W, C)
 
 
 def cyclic_shift(x: torch.Tensor, shift: int) -> torch.Tensor:
     """(B, H, W, C) rolled up and left by `shift`; -shift undoes it."""
+    if at_the_door():  # inside SwinBlock, its own grid and shift
+        _check_windows("cyclic_shift", "x", x, 4)
+        check_int("cyclic_shift", "shift", shift)
     return torch.roll(x, (-shift, -shift), dims=(1, 2))
+
+
+def _check_windows(owner: str, arg: str, x, ndim: int) -> None:
+    """A torch.Tensor of `ndim` dimensions: (B nW, M M, C) windows or a (B, H, W, C) grid."""
+    if not isinstance(x, torch.Tensor) or len(x.shape) != ndim:
+        got = f"shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{owner}: {arg} expected a torch.Tensor of {ndim} dimensions, got {got}")
 
 
 def shifted_window_mask(H: int, W: int, window_size: int, shift: int) -> torch.Tensor:
