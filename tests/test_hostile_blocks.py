@@ -412,7 +412,7 @@ def test_norms_at_the_float32_limits(L, name):
 @TRACKS
 def test_decode_cache_validator_refuses_another_models_cache(L):
     """check_decode_cache with the model's sizes refuses a cache filled by a model of other layers or heads (the
-    Transformer's door passes them once tfm_common/doors.py is wired to; the validator is tested here)."""
+    validator alone; the Transformer's door passes them: test_decode_step_refuses_another_models_cache...)."""
     kw = dict(d_model=8, d_ff=16, dropout=0.0, max_len=12)
     m = L.Transformer(11, 11, n_heads=2, n_layers=2, **kw, dtype=f64dt(L)).eval()
     memory, src_mask = m.encode(ids(L, [[3, 4]]))
@@ -438,3 +438,30 @@ def test_norms_of_an_empty_batch_and_of_non_finite_rows(L, name):
     assert np.abs(y[1:2] - _plain(name, big, 0.0)).max() < 1e-14  # was zeros (x^2 = inf in float64 too)
     assert_same_as_plain(L, y[:1], _plain(name, x[:1], m.eps))
     assert np.isnan(y[2]).all()
+
+
+@TRACKS
+def test_decode_step_refuses_another_models_cache_before_appending(L):
+    """Transformer.decode_step's door passes its layers, heads and d_head to check_decode_cache: a cache filled by a
+    model of three layers, or of four heads, is refused by name and left as it was (it used to fail inside the
+    step with "zip() argument 2 is shorter", after the step had appended to it)."""
+    kw = dict(d_model=8, d_ff=16, dropout=0.0, max_len=12)
+    src = ids(L, [[3, 4]])
+    for other in (dict(n_heads=2, n_layers=3), dict(n_heads=4, n_layers=2)):
+        donor = L.Transformer(11, 11, **other, **kw, rng=1, dtype=f64dt(L)).eval()
+        cache = {}
+        donor.decode_step(ids(L, [[1]]), *donor.encode(src), cache)
+        keys = set(cache)
+        m = L.Transformer(11, 11, n_heads=2, n_layers=2, **kw, dtype=f64dt(L)).eval()
+        with pytest.raises(ValueError, match=r"Transformer.decode_step: .*a cache from another model"):
+            m.decode_step(ids(L, [[2]]), *m.encode(src), cache)
+        assert set(cache) == keys and cache["length"] == 1
+
+
+@TRACKS
+@pytest.mark.parametrize("flag", ["no", 0, None])
+def test_generate_refuses_a_use_cache_that_is_not_a_flag(L, flag):
+    """use_cache="no" used to run with the cache (a non-empty string is true); one rule for every flag."""
+    m = L.GPT(vocab_size=11, d_model=8, n_heads=2, d_ff=16, n_layers=1, max_len=12, rng=0, dtype=f64dt(L))
+    with pytest.raises(TypeError, match=r"GPT.generate: use_cache expected True or False, got"):
+        m.generate(ids(L, [[1, 2]]), 2, use_cache=flag)

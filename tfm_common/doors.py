@@ -274,7 +274,8 @@ class TransformerDoor:
 
     def _check_decode_step(self, tgt_new, memory, src_mask, cache) -> None:
         self._check_tokens("tgt_new", tgt_new, self.tgt_vocab_size)
-        check_decode_cache(cache, tgt_new.shape[0])
+        attn = self.decoder.layers[0].self_attn  # the cache must be this model's: its layers, heads and d_head
+        check_decode_cache(cache, tgt_new.shape[0], len(self.decoder.layers), attn.n_heads, attn.d_head)
         t0, Tn = cache.get("length", 0), tgt_new.shape[1]
         if t0 + Tn > self.max_len:
             raise ValueError(f"Transformer.decode_step: positions up to {t0 + Tn - 1} exceed max_len={self.max_len}")

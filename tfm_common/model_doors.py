@@ -20,7 +20,7 @@ from .config import (
     swin_shift,
 )
 from .sampling import check_generate, check_token_window
-from .validate import check_size
+from .validate import check_flag, check_size
 
 __all__ = ["GPTBlockDoor", "GPTDoor", "PatchEmbeddingDoor", "ImageModelDoor", "ViTDoor", "SwinDoor",
            "WindowAttentionDoor", "SwinBlockDoor", "PatchMergingDoor"]  # fmt: skip
@@ -116,9 +116,10 @@ class GPTDoor:
                                  f"n_kv_heads, length, d_head) = {want}: a cache from another model or batch; "
                                  "start a new cache ({})")  # fmt: skip
 
-    def _check_generate(self, tokens, max_new_tokens, temperature, top_k, rng):
-        """(max_new_tokens, temperature, top_k, a numpy Generator), checked with the prompt."""
+    def _check_generate(self, tokens, max_new_tokens, temperature, top_k, rng, use_cache):
+        """(max_new_tokens, temperature, top_k, a numpy Generator), checked with the prompt and the use_cache flag."""
         T0 = self._check_tokens(tokens, 0)
+        check_flag("GPT.generate", "use_cache", use_cache)
         return check_generate("GPT.generate", T0, max_new_tokens, temperature, top_k, rng, self.vocab_size,
                               self.max_len)  # fmt: skip
 

@@ -167,7 +167,7 @@ class GPT(GPTDoor, Module):
         no distribution (a NaN, e.g. from a NaN weight, or a row all -inf) raise FloatingPointError; +inf logits and
         a temperature too small for logits / T are taken at softmax's limits (see `sample_next`).
         """
-        n, temperature, top_k, rng = self._check_generate(tokens, max_new_tokens, temperature, top_k, rng)
+        n, temperature, top_k, rng = self._check_generate(tokens, max_new_tokens, temperature, top_k, rng, use_cache)
         out = tokens.astype(np.int64)
         with eval_mode(self):
             cache = {} if use_cache else None

@@ -103,7 +103,7 @@ class GPT(GPTDoor, Module):
         """The prompt (B, T0) followed by max_new_tokens sampled tokens, as tfm_numpy.GPT.generate. `rng` is a
         numpy Generator or an int seed, as there: the uniforms come from NumPy in both tracks (the last position's
         logits, B x V numbers per step, are handed to tfm_common's sampler in float64), hence the same tokens."""
-        n, temperature, top_k, rng = self._check_generate(tokens, max_new_tokens, temperature, top_k, rng)
+        n, temperature, top_k, rng = self._check_generate(tokens, max_new_tokens, temperature, top_k, rng, use_cache)
         out = tokens.to(torch.long)
         with eval_mode(self):
             cache = {} if use_cache else None
