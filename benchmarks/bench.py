@@ -29,7 +29,7 @@ MKL_NUM_THREADS) and otherwise as a user runs it: OMP_WAIT_POLICY is removed fro
 torch's OpenMP threads spin briefly after a parallel region as they do by default, as OpenBLAS's threads do in
 the NumPy worker (its pthreads build ignores the variable). `--omp-wait-policy passive` makes torch's threads
 sleep at once instead: every parallel region then wakes them, which on this 2-core machine doubled the time of
-torch's small-config training step and of its cached decoding (chapter 15; earlier stored runs used it). The
+torch's small-config training step and of its cached decoding (chapter 15a; earlier stored runs used it). The
 two workers never compute at the same time: this process asks one for a measurement, waits for it, pauses
 (`--pause`, so that threads still spinning after the last call go to sleep), then asks the other, alternating
 which goes first. Every task is set up and warmed up once (a first call

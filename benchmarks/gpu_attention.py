@@ -7,7 +7,7 @@ from this checkout):
     python benchmarks/gpu_attention.py --out benchmarks/results/gpu_h100.json
     python benchmarks/gpu_attention.py --device cpu --quick --out /tmp/smoke.json   # a smoke test without a GPU
 
-It measures, and stores in one JSON file (read by chapter 15):
+It measures, and stores in one JSON file (read by chapter 15a):
   1. attention alone, causal, batch 4, 8 heads, head size 64, as the length T grows (128 ... 8192), in float32 and
      bfloat16, forward and forward + backward, median of several CUDA-event timings, and the peak memory:
        explicit     softmax(Q K^T / sqrt(dk) masked) V, every (T x T) score matrix built in memory: the formula of

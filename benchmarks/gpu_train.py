@@ -6,7 +6,7 @@ checkout):
     python benchmarks/gpu_train.py --out benchmarks/results/gpu_train_h200.json
     python benchmarks/gpu_train.py --device cpu --quick --out /tmp/smoke.json     # a smoke test without a GPU
 
-It measures, and stores in one JSON file (read by chapter 15):
+It measures, and stores in one JSON file (read by chapter 15a):
   1. the device's bfloat16 matmul rate (8192^3, and the model's own largest product): the ceiling for MFU;
   2. whole training steps (forward, cross-entropy, backward, Adam) of the base model (d_model 512, 8 heads,
      d_ff 2048, 6 + 6 layers, dropout 0, shared vocabulary of 8000) on one batch of B x T source and target
@@ -49,7 +49,7 @@ TINY = dict(d_model=32, n_heads=4, d_ff=64, n_layers=2)  # --quick
 
 
 def train_flops(c: dict, vocab: int, batch: int, length: int) -> int:
-    """Matmul FLOPs of one training step (3 x forward), counted by benchmarks/bench.py's formula (chapter 15 checks
+    """Matmul FLOPs of one training step (3 x forward), counted by benchmarks/bench.py's formula (chapter 15a checks
     it against the shapes the NumPy track multiplies; the causal score matrix is counted whole)."""
     return bench.train_flops(dict(c, vocab=vocab, batch=batch, length=length))
 
@@ -123,7 +123,7 @@ CASES = [  # KEYS, with the batch as a multiple of the base batch; dropout 0 and
 ]  # mode="max-autotune-no-cudagraphs" was tried on an H200 (2026-11-26): still autotuning after 4 minutes, and
 # it kept cuBLAS for the largest products; make_step still accepts it ("model+loss max-autotune")
 
-# --cases mfu: what was left untried for 40% MFU (chapter 15), in order of priority, with torch.nn's baselines
+# --cases mfu: what was left untried for 40% MFU (chapter 15a), in order of priority, with torch.nn's baselines
 # first so that the ratio comes from the same run. The torch track is one graph under torch.compile since
 # 2026-11-26 (no break at the token-id checks or at dropout), so CUDA graphs can take the whole step. Peak memory
 # grew about linearly with the batch on the H200 (7 GB at 96 x 256, 14 GB at 192 x 256): 8x fits an 80 GB card.

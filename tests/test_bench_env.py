@@ -1,5 +1,5 @@
 """benchmarks/bench.py's worker environment: each library as a user runs it unless told otherwise, and the stored
-CPU results say which setting measured them (chapter 15 compares the two)."""
+CPU results say which setting measured them (chapter 15a compares the two)."""
 
 import json
 import sys

@@ -1,8 +1,8 @@
-"""benchmarks/gpu_train.py's case sets, and the stored GPU results that chapter 15 prints, checked on the CPU.
+"""benchmarks/gpu_train.py's case sets, and the stored GPU results that chapter 15a prints, checked on the CPU.
 
 The stored numbers come from a GPU that CI does not have, so they cannot be re-measured here; what can be checked
 is that each row is consistent with itself and with the book's FLOP formula (the MFU and throughput printed in
-chapter 15 follow from the measured step time), and that the cases are the ones the script runs."""
+chapter 15a follow from the measured step time), and that the cases are the ones the script runs."""
 
 import json
 import math

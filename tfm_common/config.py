@@ -116,7 +116,7 @@ def check_patch_embedding(owner: str, image_size, patch_size, in_channels, d_mod
 
 
 def check_vit_config(owner: str, c: dict) -> dict:
-    """The ViT's constructor arguments (chapter 19), validated."""
+    """The ViT's constructor arguments (chapter 19a), validated."""
     check_sizes(owner, **{k: c[k] for k in ("image_size", "patch_size", "in_channels", "n_classes", "d_model",
                                             "n_heads", "d_ff", "n_layers")})  # fmt: skip
     _check_patches(owner, c["image_size"], c["patch_size"])
