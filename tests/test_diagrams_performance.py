@@ -101,6 +101,8 @@ def test_roofline_figure_shows_every_roof_and_op():
     lo, hi = fig.axes[0].get_xlim()
     assert lo < 0.16 and hi > 46.5  # every op inside the axis
     fig.savefig(io.BytesIO(), format="png")
+    top = plot_roofline(10e9, {"m": 1e9}, {"a": 50.0}, measured={"a": 40e9}).axes[0].get_ylim()[1]
+    assert top > 40  # a measured rate above the roof (a loaded machine's peak) is still inside the axis
     with pytest.raises(ValueError, match=r"measured names ops that are not drawn: \['GELU'\]"):
         plot_roofline(150e9, {"m": 10e9}, {"matmul": 46.5}, measured={"GELU": 1e9})
     with pytest.raises(ValueError, match="expected at least one bandwidth"):

@@ -65,7 +65,7 @@ def plot_roofline(
     ax.set_yscale("log")
     ax.set_xlim(lo, hi)
     floor = min([x[0] * min(bandwidths.values())] + [v for v in measured.values()])
-    ax.set_ylim(floor / 1e9 / 2, peak / 1e9 * 2.5)
+    ax.set_ylim(floor / 1e9 / 2, max([peak, *measured.values()]) / 1e9 * 2.5)
     ax.set_xlabel("arithmetic intensity (FLOPs per byte moved to or from memory)")
     ax.set_ylabel("GFLOP/s")
     ax.set_title(title or "Roofline")
