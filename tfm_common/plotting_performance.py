@@ -133,7 +133,7 @@ def plot_mfu_against_batch(runs: dict[str, dict], title: str = "") -> Figure:
     ax.axhline(alone, color="k", ls=":", lw=1)
     ax.text(ticks[0], alone + 1, "the model's largest product alone", fontsize=8)
     ax.axhline(40, color="k", ls="--", lw=0.8)
-    ax.text(ticks[-1], 41, "40%", fontsize=8, ha="right")
+    ax.text(ticks[0], 41, "40%", fontsize=8)
     ax.set_xscale("log", base=2)
     ax.set_xticks(ticks, [str(b) for b in ticks])
     ax.minorticks_off()
