@@ -36,7 +36,7 @@ ALLOWED = {
     ("19a_vit", "digit[0, 0]"): "an image of a handwritten digit",
     ("19a_vit", "patches[0].T"): "the patches of a digit, as the model's input rows",
     ("19a_vit", "cos[1 + i, 1:].reshape(G, G)"): "cosine similarity of learned position vectors on the patch grid",
-    ("19a_vit", "data.x_test[i, 0]"): "an image of a handwritten digit",
+    ("19a_vit", "data.x_val[i, 0]"): "an image of a handwritten digit",
     ("19a_vit", "heat"): "one query's (the class token's) weights laid over the image pixels, not a query x key map",
     ("19b_swin", "np.roll(label, (s, s), axis=(0, 1))"): "window regions of an image grid (labels, not a mask)",
     ("19b_swin", "label"): "window regions of an image grid (labels, not a mask)",

@@ -175,6 +175,34 @@ def test_digits_split_fixed_and_stratified():
     assert not np.array_equal(a.y_test, c.y_test) or not np.array_equal(a.x_test, c.x_test)
 
 
+def test_digits_validation_split_is_disjoint_stratified_and_leaves_the_test_set_alone():
+    x = load_digits_split(seed=0, val_fraction=0.0).x_test
+    d = load_digits_split(seed=0, test_fraction=0.25, val_fraction=0.15)
+    assert (len(d.y_train), len(d.y_val), len(d.y_test)) == (1078, 269, 450)
+    np.testing.assert_array_equal(d.x_test, x)  # carving out a validation set does not move a test image
+    # a partition: every image of the data set in exactly one of the three sets (compared as sorted rows)
+    from sklearn.datasets import load_digits
+
+    whole = load_digits()
+    ref = np.column_stack([whole.images.reshape(1797, -1) / 16.0, whole.target])
+    parts = [np.column_stack([xs.reshape(len(ys), -1), ys]) for xs, ys in
+             ((d.x_train, d.y_train), (d.x_val, d.y_val), (d.x_test, d.y_test))]  # fmt: skip
+    got = np.concatenate(parts).astype(np.float64)
+    np.testing.assert_array_equal(got[np.lexsort(got.T[::-1])], ref[np.lexsort(ref.T[::-1])])
+    shares = [np.bincount(y, minlength=10) / len(y) for y in (d.y_train, d.y_val, d.y_test)]
+    assert max(np.abs(s - shares[0]).max() for s in shares) < 0.01  # the class proportions of the whole
+    e = load_digits_split(seed=0, val_fraction=0.15)
+    np.testing.assert_array_equal(d.x_val, e.x_val)  # fixed: the same seed, the same split
+    assert "val=269" in repr(d)
+    assert load_digits_split(seed=0).x_val.shape == (0, 1, 8, 8)  # the default: no validation set
+
+
+@pytest.mark.parametrize("val_fraction", [-0.1, 0.75, 0.9])
+def test_digits_bad_validation_fraction_refused(val_fraction):
+    with pytest.raises(ValueError, match="val_fraction"):
+        load_digits_split(seed=0, test_fraction=0.25, val_fraction=val_fraction)
+
+
 def test_upsample_and_wilson():
     x = np.arange(4.0).reshape(1, 1, 2, 2)
     np.testing.assert_array_equal(upsample_nearest(x, 2)[0, 0], [[0, 0, 1, 1]] * 2 + [[2, 2, 3, 3]] * 2)
