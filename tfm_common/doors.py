@@ -53,14 +53,19 @@ class LayerDoor:
         dtype=None,
     ):
         """self_attn (and the decoder's cross_attn), ff, and per sublayer one LayerNorm (norm1, ...) and one
-        residual Dropout (dropout1, ...), registered in that order."""
+        residual Dropout (dropout1, ...), registered in that order.
+
+        `dropout` goes to four places: the residual dropouts (the paper, section 5.4), and two that the paper's text
+        does not name but its code (tensor2tensor), torch.nn.TransformerEncoderLayer and the Annotated Transformer
+        have: the attention weights (every attention's own `dropout`) and the feed-forward's hidden units
+        (`ff_dropout=True`). Chapter 16a measures both."""
         super().__init__()
         check_sizes(self._owner, d_model=d_model, n_heads=n_heads, d_ff=d_ff)
         check_choice(self._owner, "activation", activation, FF_ACTIVATIONS)
         self._options(self._owner, norm_first, dropout_place, ff_dropout)
         parts = self._parts
         dt, rng = parts.check_dtype(dtype), parts.as_rng(rng)
-        attn = dict(score_scale=score_scale, rng=rng, dtype=dt)
+        attn = dict(score_scale=score_scale, rng=rng, dtype=dt)  # `dropout` on the weights: tensor2tensor's
         self.self_attn = parts.make_attention(head_projection, d_model, n_heads, dropout, **attn)
         if self._cross:  # the decoder's attention to the encoder's output
             self.cross_attn = parts.make_attention(head_projection, d_model, n_heads, dropout, **attn)

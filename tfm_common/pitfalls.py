@@ -1,7 +1,13 @@
 """The options that reproduce choices of popular Transformer code (chapter 16a), defined once for both tracks.
 
-Each option's default is the paper's choice and changes nothing; the other values are the deviations the
-chapter measures. `check_model_pitfalls` validates a Transformer's options and returns only those that differ
+Each option's default changes nothing; the other values are the deviations the chapter measures. The defaults
+are the paper's choices but one, which is not in the paper's text: `ff_dropout=True` (dropout on the
+feed-forward's hidden units) comes, like the dropout on the attention weights that every attention of the model
+gets (its `dropout`, the model's rate), from the tensor2tensor code and the PyTorch and Annotated Transformer
+layers that follow it; the paper (section 5.4) names only the sublayer outputs and the embedding sums. Chapter
+16a measures both.
+
+`check_model_pitfalls` validates a Transformer's options and returns only those that differ
 from the defaults, so that a model built without them keeps exactly its former configuration (and checkpoints).
 """
 
@@ -26,6 +32,7 @@ DROPOUT_PLACES = ("sublayer", "after_norm")  # norm(x + dropout(f(x))) (the pape
 EMBED_SCALES = ("embedding", "logits", "none")  # where sqrt(d_model) goes: see the Transformer's docstring
 
 # keyword-only options of EncoderLayer / DecoderLayer (and their stacks), with their defaults
+# (ff_dropout=True: tensor2tensor's and torch.nn.TransformerEncoderLayer's hidden dropout, not the paper's text)
 LAYER_PITFALLS = {"score_scale": "d_k", "head_projection": "full", "dropout_place": "sublayer", "ff_dropout": True}
 # ... and the Transformer's own
 MODEL_PITFALLS = {**LAYER_PITFALLS, "embed_scale": "embedding", "embed_norm": False, "tgt_padding_mask": True}
