@@ -15,7 +15,8 @@ LayerNorm (`final_norm`, on by default for Pre-LN only). Names follow torch's la
 `dropout1`, `_sa_block`, `_ff_block`, ...); the cross-attention torch calls `multihead_attn` is `cross_attn`
 here and the feed-forward network is one submodule, `ff` (torch's `linear1`, `linear2` sit on the layer).
 
-Options for the pitfalls of chapter 16a (keyword-only; the defaults are the paper's and change nothing):
+Options for the pitfalls of chapter 16a (keyword-only; the defaults are the paper's and change nothing, except
+`ff_dropout=True` and the dropout on the attention weights, which come from tensor2tensor, not the paper's text):
 `score_scale` and `head_projection` go to the attentions (see `MultiHeadAttention`, `make_attention`),
 `ff_dropout=False` removes the feed-forward's hidden dropout, and `dropout_place="after_norm"` (Post-LN only)
 builds the variant `DropoutAfterNormEncoderLayer` (`...DecoderLayer`), whose residual dropout follows the LayerNorm:

@@ -57,7 +57,8 @@ class Transformer(TransformerDoor, Module):
                         tiles of `tile_size`): the same model to rounding; see `MultiHeadAttention`. Not part of
                         the configuration (no weight depends on it); `use_attention(model, ...)` switches it later.
     Options that reproduce choices of popular code, measured in chapter 16a (keyword-only; the defaults are the
-    paper's, change nothing, and are left out of `config`; see tfm_common.pitfalls):
+    paper's, except two that come from tensor2tensor, not the paper's text: `ff_dropout=True` and dropout on the
+    attention weights; defaults change nothing and are left out of `config`; see tfm_common.pitfalls):
       score_scale, head_projection, dropout_place, ff_dropout   passed to every layer (see `encoder_decoder`)
       embed_scale       "embedding": embeddings N(0, 1/d_model) times sqrt(d_model) (the paper); "logits": the same
                         embeddings unscaled, the logits times d_model^-0.5 instead; "none": N(0, 1) embeddings, no
