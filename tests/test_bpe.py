@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tfm_common.bpe import DEFAULT_PATTERN, ByteBPE, merge_pair, pretokenize
+from tfm_common.bpe import DEFAULT_PATTERN, END_OF_TEXT, ByteBPE, merge_pair, pretokenize
 from tfm_common.corpus import stdlib_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -214,3 +214,61 @@ def test_merge_pair_equals_the_independent_fold_on_runs_and_overlaps():
         word = [int(t) for t in rng.integers(0, 3, rng.integers(0, 12))]  # 3 symbols: many runs such as a a a a
         pair = (int(rng.integers(0, 3)), int(rng.integers(0, 3)))
         assert merge_pair(word, pair, 256) == _merge_naive(word, pair, 256), (word, pair)
+
+
+# -- special tokens: a document separator -----------------------------------------------------------------------------
+
+
+def test_a_special_token_takes_the_last_id_and_is_kept_out_of_the_merges(val_text):
+    plain = ByteBPE.train(val_text[:60_000], 400)
+    sep = ByteBPE.train(val_text[:60_000], 401, specials=(END_OF_TEXT,))
+    assert sep.merges == plain.merges and sep.vocab_size == 401  # the separator costs no merge
+    assert sep.special_id(END_OF_TEXT) == sep.special_id("<|endoftext|>") == 400
+    assert sep.token_bytes(400) == END_OF_TEXT
+    assert all(400 not in pair for pair in sep.merges)
+    # the separator's text is ordinary bytes to encode (never the special id), and it round-trips as such
+    assert 400 not in sep.encode(b"x" + END_OF_TEXT + b"y") and sep.encode(END_OF_TEXT) == plain.encode(END_OF_TEXT)
+
+
+def test_documents_are_joined_by_the_separator_and_round_trip():
+    corpus = stdlib_corpus("val")
+    docs = corpus.documents()
+    bpe = ByteBPE.train(corpus.data[:60_000], 320, specials=(END_OF_TEXT,))
+    eot = bpe.special_id(END_OF_TEXT)
+    ids = bpe.encode_documents(docs)
+    assert ids.count(eot) == len(docs) - 1 == 11
+    assert bpe.decode_bytes(ids) == END_OF_TEXT.join(docs)
+    pieces, start = [], 0  # split at the separators: each piece is its document's own encoding
+    for i, t in enumerate([*ids, eot]):
+        if t == eot:
+            pieces.append(ids[start:i])
+            start = i + 1
+    assert pieces == [bpe.encode(d) for d in docs]
+    assert [t for t in ids if t != eot] == bpe.encode(corpus.data)  # no chunk of this corpus crosses a file
+    assert bpe.encode_documents(["a", b"b"]) == [*bpe.encode("a"), eot, *bpe.encode("b")]
+    assert bpe.encode_documents([]) == [] and bpe.encode_documents(["abc"]) == bpe.encode("abc")
+
+
+def test_special_tokens_survive_save_and_load(tmp_path):
+    bpe = ByteBPE.train("abab abab abab", 260, specials=(END_OF_TEXT, "<pad>"))
+    bpe.save(tmp_path / "bpe.json")
+    again = ByteBPE.load(tmp_path / "bpe.json")
+    assert again == bpe and again.specials == (END_OF_TEXT, b"<pad>") and again.special_id("<pad>") == 259
+    assert again != ByteBPE(bpe.merges, bpe.pattern)  # the same merges without the specials: another tokenizer
+
+
+def test_special_tokens_refuse_bad_input():
+    with pytest.raises(ValueError, match="vocab_size must be an int >= 257, got 256"):
+        ByteBPE.train("abc", 256, specials=(END_OF_TEXT,))
+    with pytest.raises(ValueError, match="specials must be distinct and non-empty"):
+        ByteBPE([], specials=(b"<a>", b"<a>"))
+    with pytest.raises(ValueError, match="specials must be distinct and non-empty"):
+        ByteBPE([], specials=(b"",))
+    with pytest.raises(TypeError, match="specials expected a tuple or list"):
+        ByteBPE([], specials=END_OF_TEXT)
+    with pytest.raises(ValueError, match="is not a special token of this tokenizer; it has none"):
+        ByteBPE([]).encode_documents(["a", "b"])
+    with pytest.raises(TypeError, match="documents expected a list of str or bytes, got str"):
+        ByteBPE([], specials=(END_OF_TEXT,)).encode_documents("ab")
+    with pytest.raises(TypeError, match=r"documents\[1\] expected str or bytes, got int"):
+        ByteBPE([], specials=(END_OF_TEXT,)).encode_documents(["a", 3])

@@ -7,7 +7,16 @@ import numpy as np
 import pytest
 
 from tfm_common import corpus
-from tfm_common.corpus import TRAIN_FILES, VAL_FILES, lm_batches, sample_batch, split_ids, stdlib_corpus
+from tfm_common.corpus import (
+    TRAIN_FILES,
+    VAL_FILES,
+    lm_batches,
+    sample_batch,
+    split_ids,
+    stdlib_corpus,
+    stdlib_dir,
+    window_starts,
+)
 
 ON_BOOK_PYTHON = tuple(sys.version_info[:3]) == corpus.EXPECTED_PYTHON
 
@@ -112,3 +121,27 @@ def test_split_ids_holds_out_the_tail():
     assert np.array_equal(head, np.arange(90)) and np.array_equal(tail, np.arange(90, 100))
     with pytest.raises(ValueError, match="val_fraction must be a float in \\(0, 1\\)"):
         split_ids(np.arange(10), 1.0)
+
+
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_documents_are_the_files_one_by_one(split):
+    corpus = stdlib_corpus(split)
+    docs = corpus.documents()
+    root = stdlib_dir()
+    assert len(docs) == len(corpus.files) and b"".join(docs) == corpus.data
+    assert all(d == (root / f).read_bytes() for d, f in zip(docs, corpus.files, strict=True))
+
+
+def test_documents_after_a_cut_keep_the_part_that_was_kept():
+    corpus = stdlib_corpus("val", max_bytes=40_000)  # bdb.py (32,463 bytes) and the start of copy.py
+    docs = corpus.documents()
+    assert len(docs) == 2 and b"".join(docs) == corpus.data and len(docs[0]) == corpus.file_sizes[0]
+
+
+def test_window_starts_are_the_starts_of_sample_batch():
+    ids = np.arange(1000)
+    starts = window_starts(len(ids), 5, 16, np.random.default_rng(3))
+    x, _ = sample_batch(ids, 5, 16, np.random.default_rng(3))
+    assert np.array_equal(x[:, 0], starts)
+    with pytest.raises(ValueError, match="n_ids must be an int >= 17"):
+        window_starts(16, 5, 16, np.random.default_rng(3))

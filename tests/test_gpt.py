@@ -1,7 +1,7 @@
 """The decoder-only GPT in both tracks: identical state_dict keys for every option combination, logits and every
 gradient equal in float64, a whole-model gradient check for each norm x positional x activation x key/value heads,
 the 2017 options as chapter 8's Pre-LN EncoderLayer under a causal mask, causality, the key/value cache, sampling
-(greedy, temperature, top-k; the same tokens in both tracks) and bad input refused alike."""
+(greedy, temperature, top-k, top-p; the same tokens in both tracks) and bad input refused alike."""
 
 import functools
 import itertools
@@ -291,6 +291,49 @@ def test_sampler_follows_the_distribution_and_top_k():
     assert (cold == 0).all()  # temperature -> 0: the argmax (p1/p0 = 0.6^20 ~ 4e-5)
 
 
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, None, 0.5), (0.7, 3, 0.8), (1.3, None, 0.05)])
+def test_both_tracks_draw_the_same_tokens_with_top_p(temperature, top_k, top_p):
+    model = np_gpt(positional="rope").eval()
+    prompt = TOKENS[:, :2]
+    a = model.generate(prompt, 6, temperature, top_k, rng=5, top_p=top_p)
+    b = twin(model).generate(T(prompt), 6, temperature, top_k, rng=5, top_p=top_p)
+    assert np.array_equal(a, b.numpy())
+    assert np.array_equal(a, model.generate(prompt, 6, temperature, top_k, rng=5, top_p=top_p, use_cache=False))
+
+
+@pytest.mark.parametrize("lib", [tn, tt], ids=["numpy", "torch"])
+def test_top_p_one_is_no_filter_and_a_tiny_top_p_is_greedy(lib):
+    model = np_gpt().eval()
+    m, conv = (model, np.asarray) if lib is tn else (twin(model), T)
+    prompt = conv(TOKENS[:, :2])
+    free = np.asarray(m.generate(prompt, 6, 1.0, rng=3))
+    assert np.array_equal(free, np.asarray(m.generate(prompt, 6, 1.0, rng=3, top_p=1.0)))
+    assert np.array_equal(free, np.asarray(m.generate(prompt, 6, 1.0, rng=3, top_p=1)))
+    greedy = np.asarray(m.generate(prompt, 6, temperature=0))
+    assert np.array_equal(greedy, np.asarray(m.generate(prompt, 6, 1.0, rng=3, top_p=1e-9)))  # the nucleus is the top
+
+
+def test_sampler_draws_only_the_nucleus_with_its_renormalized_probabilities():
+    p = np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
+    logits = np.repeat(np.log(p)[None, :], 6000, axis=0)
+    # 0.4 + 0.25 = 0.65 < 0.7 <= 0.8: the nucleus of top_p=0.7 is the first three tokens
+    draws = sample_next(logits, 1.0, None, np.random.default_rng(0), top_p=0.7)
+    assert set(draws) == {0, 1, 2}
+    freq = np.bincount(draws, minlength=6)[:3] / len(draws)
+    assert np.abs(freq - p[:3] / 0.8).max() < 0.03  # ~5 standard errors at n = 6000
+    assert set(sample_next(logits, 1.0, None, np.random.default_rng(1), top_p=0.65)) == {0, 1}  # reaches it exactly
+    assert set(sample_next(logits, 1.0, None, np.random.default_rng(1), top_p=0.4)) == {0}
+    # order: temperature first (T = 2 flattens p: the nucleus of 0.7 grows), then top_k, then top_p
+    hot = sample_next(logits, 2.0, None, np.random.default_rng(2), top_p=0.7)
+    assert set(hot) == {0, 1, 2, 3}
+    k2 = sample_next(logits, 1.0, 2, np.random.default_rng(3), top_p=0.7)  # of 0.4 and 0.25, 0.7 needs both
+    assert set(k2) == {0, 1}
+    assert set(sample_next(logits, 1.0, 2, np.random.default_rng(3), top_p=0.6)) == {0}  # 0.4 / 0.65 >= 0.6
+    # ties with the last token kept are kept
+    tie = np.repeat(np.log([[0.5, 0.25, 0.25]]), 2000, axis=0)
+    assert set(sample_next(tie, 1.0, None, np.random.default_rng(4), top_p=0.6)) == {0, 1, 2}
+
+
 @pytest.mark.parametrize("lib", [tn, tt], ids=["numpy", "torch"])
 def test_generate_restores_training_mode_and_leaves_the_prompt(lib):
     model = np_gpt(dropout=0.2).train()
@@ -365,6 +408,12 @@ BAD_CALLS = {
     "max_new": (lambda m, c: m.generate(c(TOKENS[:, :2]), -1), ValueError, "max_new_tokens must be an int >= 0"),
     "positions": (lambda m, c: m.generate(c(TOKENS[:, :2]), 8), ValueError, "need 9 positions, more than max_len=8"),
     "rng": (lambda m, c: m.generate(c(TOKENS[:, :2]), 2, rng="x"), TypeError, "int seed"),
+    "top_p zero": (lambda m, c: m.generate(c(TOKENS[:, :2]), 2, top_p=0.0), ValueError, r"top_p must be in \(0, 1\]"),
+    "top_p big": (lambda m, c: m.generate(c(TOKENS[:, :2]), 2, top_p=1.5), ValueError, r"top_p must be in \(0, 1\]"),
+    "top_p neg": (lambda m, c: m.generate(c(TOKENS[:, :2]), 2, top_p=-0.1), ValueError, r"top_p must be in \(0, 1\]"),
+    "top_p nan": (lambda m, c: m.generate(c(TOKENS[:, :2]), 2, top_p=math.nan), ValueError, "top_p must be in"),
+    "top_p str": (lambda m, c: m.generate(c(TOKENS[:, :2]), 2, top_p="0.9"), TypeError, "top_p expected a float"),
+    "top_p bool": (lambda m, c: m.generate(c(TOKENS[:, :2]), 2, top_p=True), TypeError, "top_p expected a float"),
 }
 
 

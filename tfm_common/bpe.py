@@ -18,6 +18,10 @@ frequent pair of adjacent symbols as a new symbol. Byte level (GPT-2, Radford et
   counts of the pairs they lose and gain. The next pair comes off a heap.
 - Tie-breaking, so that merges are deterministic: the highest count wins; among equal counts the smallest pair
   (a, b) of ids, compared as a tuple, wins. Training stops early when no pair occurs at least `min_count` times.
+- Special tokens (GPT-2's `<|endoftext|>`): ids after the merges, 256 + len(merges) + j, named by their bytes.
+  Training never sees them, so no merge contains one; `encode` never produces one (the text "<|endoftext|>" is
+  encoded as its bytes, as tiktoken's `encode_ordinary` does); `encode_documents` puts one between documents, and
+  `decode_bytes` gives back its name, so decode_bytes(encode_documents(docs)) == name.join(docs).
 - Encoding applies, inside each chunk, the earliest-learned merge present until none applies: the same merges in
   the same order as in training, so a training text is encoded exactly as training segmented it. Encoded chunks
   are cached, so a few MB of text encode in seconds.
@@ -35,7 +39,9 @@ from pathlib import Path
 
 from tfm_common.validate import check_size
 
-__all__ = ["DEFAULT_PATTERN", "ByteBPE", "pretokenize", "merge_pair"]
+__all__ = ["DEFAULT_PATTERN", "END_OF_TEXT", "ByteBPE", "pretokenize", "merge_pair"]
+
+END_OF_TEXT = b"<|endoftext|>"  # GPT-2's document separator
 
 # The pretokenizer, a bytes pattern (it must work on any byte string, not only on valid UTF-8). Bytes >= 0x80
 # count as letters, so a non-ASCII UTF-8 character stays inside the word it belongs to.
@@ -155,6 +161,16 @@ def _check_pattern(owner: str, arg: str, pattern) -> bytes | None:
     return pattern
 
 
+def _check_specials(owner: str, specials) -> tuple[bytes, ...]:
+    """Special token names: distinct, non-empty, each bytes or str (a str stored as its UTF-8 bytes)."""
+    if isinstance(specials, (str, bytes)) or not isinstance(specials, (tuple, list)):
+        raise TypeError(f"{owner}: specials expected a tuple or list of names (bytes or str), got {specials!r:.80}")
+    names = tuple(_as_bytes(owner, "specials", name) for name in specials)
+    if any(not name for name in names) or len(set(names)) != len(names):
+        raise ValueError(f"{owner}: specials must be distinct and non-empty, got {list(names)!r:.80}")
+    return names
+
+
 def _check_merge(k: int, pair) -> None:
     """Merge k: a pair of ids (ints, not bools) that exist before it, i.e. below 256 + k."""
     ok = isinstance(pair, (tuple, list)) and len(pair) == 2
@@ -169,9 +185,10 @@ class ByteBPE:
 
     `encode(text) -> list[int]`, `decode(ids) -> str` (invalid UTF-8 replaced by U+FFFD), `decode_bytes(ids) ->
     bytes` (exact), `token_bytes(i)`, `merges` (ordered pairs), `vocab_size`, `save(path)` / `load(path)` (JSON).
+    `specials` (e.g. `(END_OF_TEXT,)`): special tokens after the merges; `special_id(name)`, `encode_documents`.
     """
 
-    def __init__(self, merges=(), pattern: bytes | str | None = DEFAULT_PATTERN):
+    def __init__(self, merges=(), pattern: bytes | str | None = DEFAULT_PATTERN, specials=()):
         self.pattern = _check_pattern("ByteBPE", "pattern", pattern)
         self.merges: list[tuple[int, int]] = []
         self._vocab = [bytes([b]) for b in range(256)]  # id -> its bytes
@@ -179,19 +196,24 @@ class ByteBPE:
             _check_merge(k, pair)
             self.merges.append((int(pair[0]), int(pair[1])))
             self._vocab.append(self._vocab[pair[0]] + self._vocab[pair[1]])
+        self.specials = _check_specials("ByteBPE", specials)
+        self._special_ids = {name: len(self._vocab) + j for j, name in enumerate(self.specials)}
+        self._vocab.extend(self.specials)  # after every merge: no merge can contain one
         self._ranks = {pair: k for k, pair in enumerate(self.merges)}  # pair -> when it was learned
         self._cache: dict[bytes, list[int]] = {}  # chunk -> its ids
         self.merge_counts: list[int] = []  # filled by train(): how often each merged pair occurred
 
     @classmethod
-    def train(cls, data, vocab_size: int, *, pretokenize: bool | bytes | str = True, min_count: int = 2):
-        """Learn `vocab_size - 256` merges (fewer if no pair occurs `min_count` times) from `data` (str or bytes).
+    def train(cls, data, vocab_size: int, *, pretokenize: bool | bytes | str = True, min_count: int = 2, specials=()):
+        """Learn `vocab_size - 256 - len(specials)` merges (fewer if no pair occurs `min_count` times) from `data`
+        (str or bytes); the special tokens take the last ids.
 
         `pretokenize`: True for `DEFAULT_PATTERN`, False for none (merges may cross every boundary; slow on more
         than a few KB), or a regular expression of your own (bytes, or str holding only latin-1 characters).
         """
         data = _as_bytes("ByteBPE.train", "data", data)
-        vocab_size = check_size("ByteBPE.train", "vocab_size", vocab_size, minimum=256)
+        specials = _check_specials("ByteBPE.train", specials)
+        vocab_size = check_size("ByteBPE.train", "vocab_size", vocab_size, minimum=256 + len(specials))
         min_count = check_size("ByteBPE.train", "min_count", min_count)
         if pretokenize is True:
             pattern = DEFAULT_PATTERN
@@ -202,8 +224,8 @@ class ByteBPE:
         else:
             raise TypeError(f"ByteBPE.train: pretokenize expected True, False or a pattern, got {pretokenize!r}")
         chunk_counts = Counter(globals()["pretokenize"](data, pattern))  # the function, not the argument
-        merges, merge_counts = _learn_merges(chunk_counts, vocab_size - 256, min_count)
-        bpe = cls(merges, pattern)
+        merges, merge_counts = _learn_merges(chunk_counts, vocab_size - 256 - len(specials), min_count)
+        bpe = cls(merges, pattern, specials)
         bpe.merge_counts = merge_counts
         return bpe
 
@@ -242,6 +264,27 @@ class ByteBPE:
             out.extend(ids)
         return out
 
+    def special_id(self, name) -> int:
+        """The id of special token `name` (bytes or str), e.g. `bpe.special_id(END_OF_TEXT)`."""
+        key = _as_bytes("ByteBPE.special_id", "name", name)
+        if key not in self._special_ids:
+            raise ValueError(f"ByteBPE.special_id: {key!r} is not a special token of this tokenizer; it has "
+                             f"{list(self.specials) or 'none'}")  # fmt: skip
+        return self._special_ids[key]
+
+    def encode_documents(self, documents, separator=END_OF_TEXT) -> list[int]:
+        """The ids of each document (str or bytes), with the special token `separator` between two documents."""
+        sep = self.special_id(separator)
+        if isinstance(documents, (str, bytes, bytearray, memoryview)) or not hasattr(documents, "__iter__"):
+            raise TypeError(f"ByteBPE.encode_documents: documents expected a list of str or bytes, got "
+                            f"{type(documents).__name__}")  # fmt: skip
+        out: list[int] = []
+        for k, doc in enumerate(documents):
+            if k:
+                out.append(sep)
+            out.extend(self.encode(_as_bytes("ByteBPE.encode_documents", f"documents[{k}]", doc)))
+        return out
+
     def decode_bytes(self, ids) -> bytes:
         """The exact bytes of a sequence of token ids (a list, tuple or 1-D integer array)."""
         ids = self._check_sequence(ids)
@@ -275,6 +318,7 @@ class ByteBPE:
             "version": 1,
             "pattern": None if self.pattern is None else self.pattern.decode("latin-1"),
             "merges": [list(p) for p in self.merges],
+            "specials": [name.decode("latin-1") for name in self.specials],
             "merge_counts": self.merge_counts,
         }
         Path(path).write_text(json.dumps(state, indent=0))
@@ -293,7 +337,10 @@ class ByteBPE:
             if not ok:
                 raise ValueError(f"ByteBPE.load: {path} has no valid {key!r} entry (a damaged or edited file?)")
         merges = [tuple(p) if isinstance(p, list) else p for p in state["merges"]]
-        bpe = cls(merges, state["pattern"])
+        specials = state.get("specials", [])  # absent in files saved before special tokens existed
+        if not isinstance(specials, list) or not all(isinstance(n, str) for n in specials):
+            raise ValueError(f"ByteBPE.load: {path}: specials must be a list of str, got {specials!r:.80}")
+        bpe = cls(merges, state["pattern"], [n.encode("latin-1") for n in specials])
         counts = state.get("merge_counts", [])
         if not isinstance(counts, list) or not all(type(c) is int for c in counts):
             raise ValueError(f"ByteBPE.load: {path}: merge_counts must be a list of ints, got {counts!r:.80}")
@@ -301,10 +348,12 @@ class ByteBPE:
         return bpe
 
     def __eq__(self, other) -> bool:
-        return isinstance(other, ByteBPE) and (self.merges, self.pattern) == (other.merges, other.pattern)
+        mine, theirs = (self.merges, self.pattern, self.specials), (other.merges, other.pattern, other.specials)
+        return isinstance(other, ByteBPE) and mine == theirs
 
     __hash__ = None
 
     def __repr__(self) -> str:
         split = "no pretokenizer" if self.pattern is None else "pretokenized"
-        return f"ByteBPE(vocab_size={self.vocab_size}, merges={len(self.merges)}, {split})"
+        special = f", specials={list(self.specials)}" if self.specials else ""
+        return f"ByteBPE(vocab_size={self.vocab_size}, merges={len(self.merges)}{special}, {split})"

@@ -11,6 +11,8 @@ keeps the corpus the same wherever the same interpreter version runs.
   bytes, the file list, the size and the SHA-256 digest. A missing file is an error. Under the Python version the
   book was executed with (3.11.7) the digest is compared with the expected one: a mismatch warns (or raises with
   `strict=True`), because every number printed in the book depends on these exact bytes.
+- `Corpus.documents()` gives the files one by one (bytes each), for a tokenizer that puts a separator between
+  them (`ByteBPE.encode_documents`), so that no training window runs from one file into the next unmarked.
 - `sample_batch` cuts (x, y) pairs for a language model from a token-id array (y is x shifted by one), and
   `split_ids` holds out the tail of an array when no separate file set is wanted.
 """
@@ -29,7 +31,7 @@ import numpy as np
 from tfm_common.validate import check_choice, check_flag, check_size
 
 __all__ = ["TRAIN_FILES", "VAL_FILES", "EXPECTED_SHA256", "Corpus", "stdlib_dir", "stdlib_corpus", "sample_batch",
-           "lm_batches", "split_ids"]  # fmt: skip
+           "lm_batches", "split_ids", "window_starts"]  # fmt: skip
 
 # Paths relative to the standard library directory, sorted: mid-size, pure-Python modules that have long been part
 # of the library (none of those PEP 594 removed, none that became a package such as zipfile or pathlib).
@@ -56,11 +58,13 @@ SPLITS = ("train", "val")
 
 @dataclass(frozen=True, repr=False)
 class Corpus:
-    """The bytes of one split: `data` (bytes), `text` (str), `files`, `n_bytes`, `sha256` of `data`."""
+    """The bytes of one split: `data` (bytes), `text` (str), `files`, `n_bytes`, `sha256` of `data`;
+    `file_sizes` (bytes of each file, before any `max_bytes` cut) lets `documents()` split `data` into files."""
 
     split: str
     files: tuple[str, ...]
     data: bytes
+    file_sizes: tuple[int, ...] = ()
     sha256: str = field(init=False)
 
     def __post_init__(self):
@@ -74,6 +78,23 @@ class Corpus:
     def text(self) -> str:
         # Every file is UTF-8 and `max_bytes` cuts at a character boundary, so this never replaces anything.
         return self.data.decode("utf-8")
+
+    def documents(self) -> list[bytes]:
+        """The files' bytes, one item per file, in order: b"".join(documents()) == data. After a `max_bytes` cut the
+        last item is the part of its file that was kept, and the files after it are left out. Without
+        `file_sizes`, the whole data as one document."""
+        if not self.file_sizes:
+            return [self.data] if self.data else []
+        if sum(self.file_sizes) < len(self.data):
+            raise ValueError(f"Corpus.documents: file_sizes add up to {sum(self.file_sizes)} bytes, data holds "
+                             f"{len(self.data)}")  # fmt: skip
+        docs, start = [], 0
+        for size in self.file_sizes:
+            if start >= len(self.data):
+                break
+            docs.append(self.data[start : start + size])
+            start += size
+        return docs
 
     def info(self) -> str:
         """One line to print in a chapter: split, files, size, digest (first 16 hex digits)."""
@@ -89,13 +110,14 @@ def stdlib_dir() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def _read(split: str, root: Path) -> tuple[tuple[str, ...], bytes]:
+def _read(split: str, root: Path) -> tuple[tuple[str, ...], bytes, tuple[int, ...]]:
     files = TRAIN_FILES if split == "train" else VAL_FILES
     missing = [f for f in files if not (root / f).is_file()]
     if missing:
         raise FileNotFoundError(f"stdlib_corpus: {len(missing)} file(s) of the '{split}' list are missing from "
                                 f"{root}: {', '.join(missing)}")  # fmt: skip
-    return files, b"".join((root / f).read_bytes() for f in files)
+    contents = [(root / f).read_bytes() for f in files]
+    return files, b"".join(contents), tuple(len(c) for c in contents)
 
 
 def _cut(data: bytes, max_bytes: int) -> bytes:
@@ -126,9 +148,9 @@ def stdlib_corpus(split: str = "train", max_bytes: int | None = None, *, strict:
     Under Python 3.11.7 a digest that differs from the expected one warns, or raises with `strict=True`.
     """
     max_bytes, strict = _check_corpus_args(split, max_bytes, strict)
-    files, data = _read(split, stdlib_dir())
+    files, data, sizes = _read(split, stdlib_dir())
     _verify(split, data, strict)
-    return Corpus(split, files, data if max_bytes is None else _cut(data, max_bytes))
+    return Corpus(split, files, data if max_bytes is None else _cut(data, max_bytes), sizes)
 
 
 def _check_corpus_args(split, max_bytes, strict) -> tuple[int | None, bool]:
@@ -158,9 +180,18 @@ def sample_batch(ids, batch_size: int, block_size: int, rng: np.random.Generator
     if not isinstance(rng, np.random.Generator):
         raise TypeError(f"sample_batch: rng expected a numpy.random.Generator, got {type(rng).__name__}")
     ids = _check_ids("sample_batch", ids, block_size)
-    starts = rng.integers(0, len(ids) - block_size, size=batch_size)  # the last start leaves room for y
+    starts = window_starts(len(ids), batch_size, block_size, rng)
     index = starts[:, None] + np.arange(block_size)[None, :]  # (B, T)
     return ids[index].astype(np.int64), ids[index + 1].astype(np.int64)
+
+
+def window_starts(n_ids: int, batch_size: int, block_size: int, rng: np.random.Generator) -> np.ndarray:
+    """The first positions of `sample_batch`'s windows: the same draws from `rng`, so that a copy of the generator
+    tells where the windows of a batch started (e.g. to count those that cross a file boundary)."""
+    n_ids = check_size("window_starts", "n_ids", n_ids, minimum=block_size + 1)
+    if not isinstance(rng, np.random.Generator):
+        raise TypeError(f"window_starts: rng expected a numpy.random.Generator, got {type(rng).__name__}")
+    return rng.integers(0, n_ids - block_size, size=batch_size)  # the last start leaves room for y
 
 
 def lm_batches(ids, batch_size: int, block_size: int, rng: np.random.Generator, n_batches: int | None = None):

@@ -116,12 +116,12 @@ class GPTDoor:
                                  f"n_kv_heads, length, d_head) = {want}: a cache from another model or batch; "
                                  "start a new cache ({})")  # fmt: skip
 
-    def _check_generate(self, tokens, max_new_tokens, temperature, top_k, rng, use_cache):
-        """(max_new_tokens, temperature, top_k, a numpy Generator), checked with the prompt and the use_cache flag."""
+    def _check_generate(self, tokens, max_new_tokens, temperature, top_k, rng, use_cache, top_p=None):
+        """(max_new_tokens, temperature, top_k, a numpy Generator, top_p), checked with the prompt and use_cache."""
         T0 = self._check_tokens(tokens, 0)
         check_flag("GPT.generate", "use_cache", use_cache)
         return check_generate("GPT.generate", T0, max_new_tokens, temperature, top_k, rng, self.vocab_size,
-                              self.max_len)  # fmt: skip
+                              self.max_len, top_p)  # fmt: skip
 
     def _check_tokens(self, tokens, offset: int) -> int:
         self._check_ids("GPT: tokens", tokens, self.vocab_size)

@@ -156,18 +156,23 @@ class GPT(GPTDoor, Module):
         self._cache = None
         return self.output_projection(self.norm(x))
 
-    def generate(self, tokens, max_new_tokens: int, temperature: float = 1.0, top_k=None, rng=None, use_cache=True):
+    def generate(
+        self, tokens, max_new_tokens: int, temperature: float = 1.0, top_k=None, rng=None, use_cache=True, *, top_p=None
+    ):
         """The prompt `tokens` (B, T0) followed by max_new_tokens sampled tokens: (B, T0 + max_new_tokens).
 
         Each new token is drawn from softmax(logits / temperature) over the top_k most probable tokens (all if
-        None); temperature=0 is greedy (argmax). `rng` (a numpy Generator or int seed; None: seed 0) draws one
+        None), then over the nucleus of those: the most probable ones whose probability first reaches top_p (in
+        (0, 1]; None or 1: all). The order is that of Hugging Face's `generate`: temperature, top_k, top_p.
+        temperature=0 is greedy (argmax). `rng` (a numpy Generator or int seed; None: seed 0) draws one
         uniform per row and step, in both tracks (tfm_common.sampling.sample_next), so the two tracks sample
         the same tokens from the same weights and seed. use_cache=False re-runs the whole sequence at every step
         (the same tokens, slower). Eval mode (no dropout) for the call; the caller's mode is restored. Logits with
         no distribution (a NaN, e.g. from a NaN weight, or a row all -inf) raise FloatingPointError; +inf logits and
         a temperature too small for logits / T are taken at softmax's limits (see `sample_next`).
         """
-        n, temperature, top_k, rng = self._check_generate(tokens, max_new_tokens, temperature, top_k, rng, use_cache)
+        n, temperature, top_k, rng, top_p = self._check_generate(tokens, max_new_tokens, temperature, top_k, rng,
+                                                                 use_cache, top_p)  # fmt: skip
         out = tokens.astype(np.int64)
         with eval_mode(self):
             cache = {} if use_cache else None
@@ -176,7 +181,7 @@ class GPT(GPTDoor, Module):
                     logits = self.forward(out)[:, -1]  # (B, V): the whole sequence again
                 else:
                     logits = self.forward_step(out if i == 0 else out[:, -1:], cache)[:, -1]  # the new token only
-                nxt = sample_next(logits, temperature, top_k, rng, name="GPT.generate")  # (B,)
+                nxt = sample_next(logits, temperature, top_k, rng, top_p=top_p, name="GPT.generate")  # (B,)
                 out = np.concatenate([out, nxt[:, None]], axis=1)
         self._cache = None
         return out

@@ -99,11 +99,14 @@ class GPT(GPTDoor, Module):
         return self.output_projection(self.norm(x))
 
     @torch.no_grad()
-    def generate(self, tokens, max_new_tokens: int, temperature: float = 1.0, top_k=None, rng=None, use_cache=True):
+    def generate(
+        self, tokens, max_new_tokens: int, temperature: float = 1.0, top_k=None, rng=None, use_cache=True, *, top_p=None
+    ):
         """The prompt (B, T0) followed by max_new_tokens sampled tokens, as tfm_numpy.GPT.generate. `rng` is a
         numpy Generator or an int seed, as there: the uniforms come from NumPy in both tracks (the last position's
         logits, B x V numbers per step, are handed to tfm_common's sampler in float64), hence the same tokens."""
-        n, temperature, top_k, rng = self._check_generate(tokens, max_new_tokens, temperature, top_k, rng, use_cache)
+        n, temperature, top_k, rng, top_p = self._check_generate(tokens, max_new_tokens, temperature, top_k, rng,
+                                                                 use_cache, top_p)  # fmt: skip
         out = tokens.to(torch.long)
         with eval_mode(self):
             cache = {} if use_cache else None
@@ -112,7 +115,8 @@ class GPT(GPTDoor, Module):
                     logits = self.forward(out)[:, -1]
                 else:
                     logits = self.forward_step(out if i == 0 else out[:, -1:], cache)[:, -1]
-                nxt = sample_next(logits.double().cpu().numpy(), temperature, top_k, rng, name="GPT.generate")
+                logits = logits.double().cpu().numpy()  # (B, V): the sampler is NumPy's, in both tracks
+                nxt = sample_next(logits, temperature, top_k, rng, top_p=top_p, name="GPT.generate")
                 out = torch.cat([out, torch.from_numpy(nxt).to(out.device)[:, None]], dim=1)
         return out
 
