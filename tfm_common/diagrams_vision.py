@@ -15,22 +15,13 @@ from matplotlib.figure import Figure
 from matplotlib.patches import FancyBboxPatch, Rectangle
 
 from .config import swin_shift
+from .diagrams import _canvas  # the same inch-coordinate canvas as the architecture diagrams
 
 __all__ = ["vit_pipeline_figure", "swin_figure"]
 
 # colors by kind, as in tfm_common.diagrams: data, embeddings/positions/head, attention, norm
 _IO, _EMBED, _ATTN, _NORM, _FF = "#e5e5e5", "#f2cfe6", "#fdd9a6", "#fff3b0", "#c6dbef"
 _REGIONS = ["#fbb4ae", "#b3cde3", "#ccebc5", "#decbe4", "#fed9a6", "#ffffcc", "#e5d8bd", "#fddaec", "#f2f2f2"]
-
-
-def _canvas(width: float, height: float):
-    """A figure whose data coordinates are inches: (0, 0) bottom left."""
-    fig = Figure(figsize=(width, height))
-    ax = fig.add_axes((0, 0, 1, 1))
-    ax.set_xlim(0, width)
-    ax.set_ylim(0, height)
-    ax.set_axis_off()
-    return fig, ax
 
 
 def _box(ax, x, y, w, h, text, color, fontsize=8.0):
