@@ -74,7 +74,7 @@ class CheckResult:
         return [f for f in self.findings if not f.passed]
 
     def failed(self, text: str) -> bool:
-        """True when a failed finding's line ("label: detail") contains `text` (what the tests of wrong attempts ask)."""
+        """True when a failed finding's line ("label: detail") contains `text` (the tests of wrong attempts ask)."""
         return any(text in f"{f.check}: {f.detail}" for f in self.failures)
 
     def report(self) -> str:
