@@ -178,29 +178,17 @@ class Grader:
         return self.record(check, False, detail + (f". {hint}" if hint else ""))
 
     def gradients(self, check: str, got, expected: dict, *, tol: float, hints: dict | None = None) -> bool:
-        """A backward's return value (a tuple, in the order of `expected`'s names) against the expected gradients."""
-        if got is MISSING:
-            return False
-        names = list(expected)
-        got = got if isinstance(got, tuple | list) else (got,)
-        if len(got) != len(names):
-            return self.record(check, False, f"returned {len(got)} value(s), expected {len(names)}: {', '.join(names)}")
-        hints = hints or {}
-        ok = [
-            self.compare(f"{check}: {name}", g, expected[name], tol=tol, hint=hints.get(name, ""))
-            for name, g in zip(names, got, strict=True)
-        ]
-        if all(ok):  # one line for the whole case
-            shapes = ", ".join(f"{name} {np.shape(g)}" for name, g in zip(names, got, strict=True))
-            self.result.findings[-len(names) :] = [Finding(check, True, f"{shapes} within {tol:.0e} of the library")]
-        return all(ok)
+        """A backward's return value (a tuple, in the order of `expected`'s names) against the expected gradients
+        only (a float32 case: central differences need float64)."""
+        return self.backward(check, got, expected, None, tol=tol, hints=hints)
 
-    def backward(self, check: str, got, library: dict, numeric: dict, *, tol: float = 1e-9, hints=None) -> bool:
+    def backward(self, check: str, got, library: dict, numeric: dict | None, *, tol: float = 1e-9, hints=None) -> bool:
         """A backward's gradients (a tuple in the order of `library`'s names) against the library's backward and,
         independently, against central differences of the library's forward (`numeric`, same names).
 
         One finding per gradient: the reader learns which input's gradient is off, by how much and where, and that
-        the expected value is not only the library's word (central differences agree with it).
+        the expected value is not only the library's word (central differences agree with it). When every gradient
+        passes, one line for the whole case.
         """
         if got is MISSING:
             return False
@@ -208,29 +196,28 @@ class Grader:
         got = got if isinstance(got, tuple | list) else (got,)
         if len(got) != len(names):
             return self.record(check, False, f"returned {len(got)} value(s), expected {len(names)}: {', '.join(names)}")
-        hints, ok = hints or {}, []
-        for name, g in zip(names, got, strict=True):
-            label = f"{check}: {name}"
-            n = len(self.result.findings)
-            if self.compare(label, g, library[name], tol=tol, hint=hints.get(name, "")):
-                agree = self.compare(label, g, numeric[name], tol=1e-6)
-                self.result.findings[n + 1 :] = []  # one finding per gradient: merge the two comparisons
-                self.result.findings[n] = Finding(
-                    label,
-                    agree,
-                    f"{np.shape(g)}, within {tol:.0e} of the library and 1e-06 of central differences"
-                    if agree
-                    else "agrees with the library's backward but not with central differences (report this)",
-                )
-                ok.append(agree)
-            else:
-                ok.append(False)
-        if all(ok):  # one line for the whole case
+        hints = hints or {}
+        ok = [
+            self._gradient(f"{check}: {name}", g, library[name], numeric and numeric[name], tol, hints.get(name, ""))
+            for name, g in zip(names, got, strict=True)
+        ]
+        if all(ok):
             shapes = ", ".join(f"{name} {np.shape(g)}" for name, g in zip(names, got, strict=True))
+            witness = " and 1e-06 of central differences" if numeric else ""
             self.result.findings[-len(names) :] = [
-                Finding(check, True, f"{shapes} within {tol:.0e} of the library and 1e-06 of central differences")
+                Finding(check, True, f"{shapes} within {tol:.0e} of the library{witness}")
             ]
         return all(ok)
+
+    def _gradient(self, label: str, got, expected, numeric, tol: float, hint: str) -> bool:
+        """One gradient against the library's and, when given, central differences: one finding either way."""
+        n = len(self.result.findings)
+        if not self.compare(label, got, expected, tol=tol, hint=hint) or numeric is None:
+            return self.result.findings[n].passed
+        agree = self.compare(label, got, numeric, tol=1e-6)
+        detail = "agrees with the library's backward but not with central differences (report this)"
+        self.result.findings[n:] = [Finding(label, agree, f"{np.shape(got)}, within both" if agree else detail)]
+        return agree
 
     def refuses(self, check: str, *args, expected: str, errors=(ValueError,), fn=None, **kwargs) -> bool:
         """The attempt must raise one of `errors` on these arguments; `expected` says what a clear error names."""
