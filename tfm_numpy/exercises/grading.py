@@ -14,6 +14,7 @@ and 2e-16 on one machine is 7e-16 on another. Failing findings print the numbers
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -114,6 +115,11 @@ def _raised(e: Exception) -> str:
     return f"raised {type(e).__name__}: {msg[:117] + '...' if len(msg) > 120 else msg}"
 
 
+def _shape(a) -> str:
+    """An array's shape for a report: "a scalar" for shape ()."""
+    return str(np.shape(a)) if np.ndim(a) else "a scalar"
+
+
 def _where(index: tuple) -> str:
     return "(" + ", ".join(str(int(i)) for i in index) + ")" if len(index) != 1 else f"({int(index[0])},)"
 
@@ -138,7 +144,9 @@ class Grader:
         fn = self.attempt if fn is None else fn
         args = [a.copy() if isinstance(a, np.ndarray) else a for a in args]
         try:
-            return fn(*args, **kwargs)
+            with warnings.catch_warnings(), np.errstate(all="ignore"):
+                warnings.simplefilter("ignore", RuntimeWarning)  # an overflow shows as inf/nan in the findings
+                return fn(*args, **kwargs)
         except NotImplementedError as e:
             raise NotWritten from e
         except Exception as e:  # noqa: BLE001 - the reader's mistake becomes a finding, never an exception
@@ -166,13 +174,14 @@ class Grader:
         bad = ~np.isfinite(got) & np.isfinite(expected)
         if bad.any():
             idx = np.unravel_index(np.argmax(bad), got.shape)
-            return self.record(check, False, f"{num(got[idx])} at index {_where(idx)}, expected {num(expected[idx])}")
+            detail = f"{num(got[idx])} at index {_where(idx)}, expected {num(expected[idx])}"
+            return self.record(check, False, detail + (f". {hint}" if hint else ""))
         err = np.abs(got.astype(np.float64) - expected.astype(np.float64))
         err = np.where(np.isfinite(expected), err, np.where(got == expected, 0.0, np.inf))
         scale = max(1.0, float(np.abs(expected[np.isfinite(expected)]).max(initial=0.0)))
         worst = float(err.max()) / scale
         if worst <= tol:
-            return self.record(check, True, f"{got.shape}, within {tol:.0e} of the library")
+            return self.record(check, True, f"{_shape(got)}, within {tol:.0e} of the library")
         idx = np.unravel_index(np.argmax(err), got.shape)
         detail = f"off by {num(err[idx])} at index {_where(idx)}: got {num(got[idx])}, expected {num(expected[idx])}"
         return self.record(check, False, detail + (f". {hint}" if hint else ""))
@@ -202,7 +211,7 @@ class Grader:
             for name, g in zip(names, got, strict=True)
         ]
         if all(ok):
-            shapes = ", ".join(f"{name} {np.shape(g)}" for name, g in zip(names, got, strict=True))
+            shapes = ", ".join(f"{name} {_shape(g)}" for name, g in zip(names, got, strict=True))
             witness = " and 1e-06 of central differences" if numeric else ""
             self.result.findings[-len(names) :] = [
                 Finding(check, True, f"{shapes} within {tol:.0e} of the library{witness}")
@@ -216,7 +225,7 @@ class Grader:
             return self.result.findings[n].passed
         agree = self.compare(label, got, numeric, tol=1e-6)
         detail = "agrees with the library's backward but not with central differences (report this)"
-        self.result.findings[n:] = [Finding(label, agree, f"{np.shape(got)}, within both" if agree else detail)]
+        self.result.findings[n:] = [Finding(label, agree, f"{_shape(got)}, within both" if agree else detail)]
         return agree
 
     def refuses(self, check: str, *args, expected: str, errors=(ValueError,), fn=None, **kwargs) -> bool:
