@@ -329,7 +329,7 @@ def test_log_softmax_over_the_wrong_axis():
         z = x - x.max(0, keepdims=True)
         return z - np.log(np.exp(z).sum(0, keepdims=True))
 
-    _fails("log_softmax", attempt, "2-D input (N, V): off by")
+    _fails("log_softmax", attempt, "2-D input (N, V): off by", "over the LAST axis")
 
 
 def test_log_softmax_float32_upcast():

@@ -244,15 +244,16 @@ def grade_layer_norm_backward(g: Grader) -> None:
 
 # --- chapter 4: log-softmax and cross-entropy -------------------------------------------------------------------
 
+_AXIS_HINT = "log p = (x - m) - log sum exp(x - m) over the LAST axis, m the row's max"
 _SHIFT_HINT = "subtract the row's max before exp: exp(1000) overflows to inf"
 
 
 def grade_log_softmax(g: Grader) -> None:
     rng = np.random.default_rng(401)
     cases = (
-        ("2-D input (N, V)", 2 * rng.standard_normal((4, 6)), ""),
-        ("3-D input (B, T, V)", 2 * rng.standard_normal((2, 3, 5)), ""),
-        ("length 1", 2 * rng.standard_normal((1, 1, 5)), ""),
+        ("2-D input (N, V)", 2 * rng.standard_normal((4, 6)), _AXIS_HINT),
+        ("3-D input (B, T, V)", 2 * rng.standard_normal((2, 3, 5)), _AXIS_HINT),
+        ("length 1", 2 * rng.standard_normal((1, 1, 5)), _AXIS_HINT),
         ("large logits (about 1000)", 1000 + 3 * rng.standard_normal((3, 5)), _SHIFT_HINT),
         ("large negative logits (about -1000)", -1000 + 3 * rng.standard_normal((3, 5)), _SHIFT_HINT),
         (
