@@ -166,7 +166,8 @@ class Grader:
             return self.record(check, False, f"expected a NumPy array, got {type(got).__name__}")
         got = np.asarray(got)
         if got.shape != expected.shape:
-            return self.record(check, False, f"shape {got.shape}, expected {expected.shape}")
+            detail = f"shape {got.shape}, expected {expected.shape}"
+            return self.record(check, False, detail + (f". {hint}" if hint else ""))
         if dtype is not None and got.dtype != np.dtype(dtype):
             return self.record(check, False, f"dtype {got.dtype}, expected {np.dtype(dtype)} (the inputs' dtype)")
         if got.size == 0:
@@ -186,12 +187,12 @@ class Grader:
         detail = f"off by {num(err[idx])} at index {_where(idx)}: got {num(got[idx])}, expected {num(expected[idx])}"
         return self.record(check, False, detail + (f". {hint}" if hint else ""))
 
-    def gradients(self, check: str, got, expected: dict, *, tol: float, hints: dict | None = None) -> bool:
+    def gradients(self, check: str, got, expected: dict, *, tol: float, hints=None, dtype=None) -> bool:
         """A backward's return value (a tuple, in the order of `expected`'s names) against the expected gradients
-        only (a float32 case: central differences need float64)."""
-        return self.backward(check, got, expected, None, tol=tol, hints=hints)
+        only (a float32 case, `dtype=np.float32`: central differences need float64)."""
+        return self.backward(check, got, expected, None, tol=tol, hints=hints, dtype=dtype)
 
-    def backward(self, check: str, got, library: dict, numeric: dict | None, *, tol: float = 1e-9, hints=None) -> bool:
+    def backward(self, check: str, got, library: dict, numeric, *, tol: float = 1e-9, hints=None, dtype=None) -> bool:
         """A backward's gradients (a tuple in the order of `library`'s names) against the library's backward and,
         independently, against central differences of the library's forward (`numeric`, same names).
 
@@ -207,7 +208,9 @@ class Grader:
             return self.record(check, False, f"returned {len(got)} value(s), expected {len(names)}: {', '.join(names)}")
         hints = hints or {}
         ok = [
-            self._gradient(f"{check}: {name}", g, library[name], numeric and numeric[name], tol, hints.get(name, ""))
+            self._gradient(
+                f"{check}: {name}", g, library[name], numeric and numeric[name], tol, hints.get(name, ""), dtype
+            )  # fmt: skip
             for name, g in zip(names, got, strict=True)
         ]
         if all(ok):
@@ -218,10 +221,10 @@ class Grader:
             ]
         return all(ok)
 
-    def _gradient(self, label: str, got, expected, numeric, tol: float, hint: str) -> bool:
+    def _gradient(self, label: str, got, expected, numeric, tol: float, hint: str, dtype) -> bool:
         """One gradient against the library's and, when given, central differences: one finding either way."""
         n = len(self.result.findings)
-        if not self.compare(label, got, expected, tol=tol, hint=hint) or numeric is None:
+        if not self.compare(label, got, expected, tol=tol, hint=hint, dtype=dtype) or numeric is None:
             return self.result.findings[n].passed
         agree = self.compare(label, got, numeric, tol=1e-6)
         detail = "agrees with the library's backward but not with central differences (report this)"
