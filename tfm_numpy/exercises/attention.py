@@ -12,48 +12,9 @@ import numpy as np
 from ..attention import MultiHeadAttention, scaled_dot_product_attention, scaled_dot_product_attention_backward
 from ..masks import causal_mask, decoder_mask, padding_mask
 from ..positional import sinusoidal_positional_encoding
-from .grading import MISSING, Exercise, Finding, Grader, central_differences
+from .grading import Exercise, Grader, central_differences
 
 __all__ = ["EXERCISES"]
-
-
-def _hinted(g: Grader, start: int, hints: dict) -> None:
-    """Append the hint of its part ("check: dq" -> hints["dq"]) to every failed finding from `start` on that lacks
-    it: `Grader.compare` gives no hint with a NaN or a wrong shape, where a reader needs it most (a wrong dtype
-    needs none: the message says it all)."""
-    for i, f in enumerate(g.result.findings[start:], start):
-        hint = hints.get(f.check.rsplit(": ", 1)[-1], "")
-        if not f.passed and hint and hint not in f.detail and not f.detail.startswith("dtype "):
-            g.result.findings[i] = Finding(f.check, False, f"{f.detail}. {hint}")
-
-
-def _compare(g: Grader, check: str, got, expected, *, tol: float, dtype=None, hint: str = "") -> bool:
-    """`g.compare`, with the hint also after a NaN, a wrong shape or a wrong dtype."""
-    start = len(g.result.findings)
-    ok = g.compare(check, got, expected, tol=tol, dtype=dtype, hint=hint)
-    _hinted(g, start, {check.rsplit(": ", 1)[-1]: hint})
-    return ok
-
-
-def _tuple(g: Grader, check: str, got, expected: dict, *, tol: float, dtype=None, hints: dict | None = None) -> bool:
-    """A returned tuple (in the order of `expected`'s names) against the library, each with its dtype when given;
-    one finding for the whole case when every part passes (as `Grader.gradients`, which checks no dtype)."""
-    if got is MISSING:
-        return False
-    names = list(expected)
-    if not isinstance(got, tuple | list) or len(got) != len(names):
-        n = len(got) if isinstance(got, tuple | list) else 1
-        return g.record(check, False, f"returned {n} value(s), expected {len(names)}: {', '.join(names)}")
-    hints, start = hints or {}, len(g.result.findings)
-    ok = [
-        g.compare(f"{check}: {name}", a, expected[name], tol=tol, dtype=dtype, hint=hints.get(name, ""))
-        for name, a in zip(names, got, strict=True)
-    ]
-    _hinted(g, start, hints)
-    if all(ok):
-        shapes = ", ".join(f"{name} {np.shape(a)}" for name, a in zip(names, got, strict=True))
-        g.result.findings[-len(names) :] = [Finding(check, True, f"{shapes} within {tol:.0e} of the library")]
-    return all(ok)
 
 
 # --- chapter 5: scaled dot-product attention ----------------------------------------------------------------------
@@ -78,13 +39,6 @@ def _attention_cases():
     )
 
 
-def _run(g: Grader, check: str, *args, hint: str = ""):
-    """`g.run` with NumPy's floating-point warnings silenced: an overflow or a NaN in the attempt is reported as a
-    finding (the value is compared), not as a warning, nor as an error where warnings are errors."""
-    with np.errstate(all="ignore"):
-        return g.run(check, *args, hint=hint)
-
-
 def _qkv(rng, lead, Tq, Tk, dtype=np.float64, d_k=8, d_v=5, scale=1.0):
     q = (scale * rng.standard_normal((*lead, Tq, d_k))).astype(dtype)
     k = (scale * rng.standard_normal((*lead, Tk, d_k))).astype(dtype)
@@ -97,20 +51,20 @@ def grade_attention_forward(g: Grader) -> None:
         q, k, v = _qkv(rng, lead, Tq, Tk)
         out, w = scaled_dot_product_attention(q, k, v, mask)
         hint = hint or _FORWARD_HINT
-        got = _run(g, label, q, k, v, mask, hint=hint)
-        _tuple(g, label, got, {"output": out, "weights": w}, tol=1e-12, hints={"output": hint, "weights": hint})
+        got = g.run(label, q, k, v, mask, hint=hint)
+        g.gradients(label, got, {"output": out, "weights": w}, tol=1e-12, hints={"output": hint, "weights": hint})
     label = "large scores (q, k times 30)"
     q, k, v = _qkv(rng, (2, 3), 4, 6, scale=30.0)
     out, w = scaled_dot_product_attention(q, k, v)
     hint = "subtract each row's maximum score before exp (exp overflows past 709)"
-    got = _run(g, label, q, k, v, None, hint=hint)
-    _tuple(g, label, got, {"output": out, "weights": w}, tol=1e-12, hints={"output": hint, "weights": hint})
+    got = g.run(label, q, k, v, None, hint=hint)
+    g.gradients(label, got, {"output": out, "weights": w}, tol=1e-12, hints={"output": hint, "weights": hint})
     label = "float32, padding mask"
     q, k, v = _qkv(rng, (2, 3), 5, 5, np.float32)
     mask = padding_mask(_RIGHT_PADDED, 0)
     out, w = scaled_dot_product_attention(q, k, v, mask)
-    got = _run(g, label, q, k, v, mask)
-    _tuple(g, label, got, {"output": out, "weights": w}, tol=1e-5, dtype=np.float32)
+    got = g.run(label, q, k, v, mask)
+    g.gradients(label, got, {"output": out, "weights": w}, tol=1e-5, dtype=np.float32)
 
 
 def grade_attention_backward(g: Grader) -> None:
@@ -133,17 +87,16 @@ def grade_attention_backward(g: Grader) -> None:
         numeric = {"dq": numeric["q"], "dk": numeric["k"], "dv": numeric["v"]}
         case_hints = {name: f"{h}; {hint}" if hint == _EMPTY_ROW else h for name, h in hints.items()}
         run_hint = hint if hint in (_EMPTY_ROW, _MASK_HINT) else _BACKWARD_HINT
-        got, start = _run(g, label, dout, q, k, v, mask, hint=run_hint), len(g.result.findings)
+        got = g.run(label, dout, q, k, v, mask, hint=run_hint)
         g.backward(label, got, {"dq": dq, "dk": dk, "dv": dv}, numeric, hints=case_hints)
-        _hinted(g, start, case_hints)
     label = "float32, padding mask"
     q, k, v = _qkv(rng, (2, 3), 5, 5, np.float32)
     mask = padding_mask(_RIGHT_PADDED, 0)
     out, w = scaled_dot_product_attention(q, k, v, mask)
     dout = rng.standard_normal(out.shape).astype(np.float32)
     dq, dk, dv = scaled_dot_product_attention_backward(dout, q, k, v, w)
-    got = _run(g, label, dout, q, k, v, mask)
-    _tuple(g, label, got, {"dq": dq, "dk": dk, "dv": dv}, tol=1e-5, dtype=np.float32, hints=hints)
+    got = g.run(label, dout, q, k, v, mask)
+    g.gradients(label, got, {"dq": dq, "dk": dk, "dv": dv}, tol=1e-5, dtype=np.float32, hints=hints)
 
 
 # --- chapter 6: the split into heads and the merge ----------------------------------------------------------------
@@ -169,10 +122,10 @@ def grade_split_heads(g: Grader) -> None:
     for label, shape, n_heads in cases:
         x = rng.standard_normal(shape)
         expected = _mha(shape[-1], n_heads, np.float64)._split(x)
-        _compare(g, label, g.run(label, x, n_heads, hint=_SPLIT_HINT), expected, tol=1e-12, hint=_SPLIT_HINT)
+        g.compare(label, g.run(label, x, n_heads, hint=_SPLIT_HINT), expected, tol=1e-12, hint=_SPLIT_HINT)
     x = rng.standard_normal((2, 5, 12)).astype(np.float32)
     expected = _mha(12, 3, np.float32)._split(x)
-    _compare(g, "float32", g.run("float32", x, 3), expected, tol=1e-6, dtype=np.float32, hint=_SPLIT_HINT)
+    g.compare("float32", g.run("float32", x, 3), expected, tol=1e-6, dtype=np.float32, hint=_SPLIT_HINT)
     x = rng.standard_normal((2, 5, 12))  # 12 = 5 * 2 + 2: x.reshape(B, -1, 5, 2) runs and makes 6 "positions"
     g.refuses("D = 12 with 5 heads", x, 5, expected="says D must be divisible by n_heads")
 
@@ -189,13 +142,13 @@ def grade_merge_heads(g: Grader) -> None:
         x = rng.standard_normal(shape)
         B, H, T, d = shape
         expected = _mha(H * d, H, np.float64)._merge(x)
-        _compare(g, label, g.run(label, x, hint=_MERGE_HINT), expected, tol=1e-12, hint=_MERGE_HINT)
+        g.compare(label, g.run(label, x, hint=_MERGE_HINT), expected, tol=1e-12, hint=_MERGE_HINT)
     x = rng.standard_normal((2, 3, 5, 4)).astype(np.float32)
     expected = _mha(12, 3, np.float32)._merge(x)
-    _compare(g, "float32", g.run("float32", x), expected, tol=1e-6, dtype=np.float32, hint=_MERGE_HINT)
+    g.compare("float32", g.run("float32", x), expected, tol=1e-6, dtype=np.float32, hint=_MERGE_HINT)
     label = "inverse of the library's split"
     x = rng.standard_normal((2, 5, 12))
-    _compare(g, label, g.run(label, _mha(12, 3, np.float64)._split(x)), x, tol=1e-12, hint=_MERGE_HINT)
+    g.compare(label, g.run(label, _mha(12, 3, np.float64)._split(x)), x, tol=1e-12, hint=_MERGE_HINT)
 
 
 # --- chapter 7: the sinusoidal table ------------------------------------------------------------------------------
@@ -213,11 +166,11 @@ def grade_sinusoidal_positions(g: Grader) -> None:
     for label, max_len, d_model in cases:
         expected = sinusoidal_positional_encoding(max_len, d_model, dtype=np.float64)
         got = g.run(label, max_len, d_model, dtype=np.float64, hint=_PE_HINT)
-        _compare(g, label, got, expected, tol=1e-12, dtype=np.float64, hint=_PE_HINT)
+        g.compare(label, got, expected, tol=1e-12, dtype=np.float64, hint=_PE_HINT)
     label = "default dtype float32 (the library's), (64, 32)"
     expected = sinusoidal_positional_encoding(64, 32)
     got = g.run(label, 64, 32, hint="the default is dtype=np.float32")
-    _compare(g, label, got, expected, tol=1e-5, dtype=np.float32, hint=_PE_HINT)
+    g.compare(label, got, expected, tol=1e-5, dtype=np.float32, hint=_PE_HINT)
     g.refuses("odd d_model = 7", 10, 7, expected="says d_model must be even (the columns come in sin, cos pairs)")
 
 
