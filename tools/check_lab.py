@@ -8,7 +8,10 @@
    cell must print exactly its stored text.
 3. Types a new cell in the UI that prints the kernel's sys.prefix, where tfm_numpy was imported from and the
    working folder: they must be the project's venv, the repository's tfm_numpy and chapters/.
-4. No browser request may leave the server, and the notebook file must be unchanged on disk.
+4. Runs the chapter's graded exercise as a reader first meets it: the skeleton cell, then the check cell, which must
+   print its stored friendly failure ("not written yet"); then types a wrong attempt (a forward without its bias) in
+   a new cell and runs it with `check`, which must report the failed checks in words, not raise.
+5. No browser request may leave the server, and the notebook file must be unchanged on disk.
 Shuts down the browser, the kernel and the server at the end, also on failure. Exits non-zero on any failure.
 """
 
@@ -35,6 +38,8 @@ CHROMIUM = "/usr/bin/chromium"
 SHOTS = ROOT / "_build" / "screenshots"
 START_TIMEOUT_S = 60  # server start and first kernel start, on a loaded 2-core machine
 RUN_TIMEOUT_S = 90  # the import cell loads torch
+# Typed into the lab as a reader's first wrong attempt at chapter 1's exercise: a forward without its bias.
+WRONG_ATTEMPT = 'linear_forward = lambda x, W, b: x @ W.T  # forgot b\nresult = check("linear_forward", linear_forward)'
 PROBE = 'import os, sys, tfm_numpy; print(sys.prefix, tfm_numpy.__file__, os.getcwd(), sep="|")'
 
 # The notebook open in the lab, read through the page's application object (exposed by --expose_app_in_browser).
@@ -172,6 +177,40 @@ def probe_kernel(page, problems: list[str]) -> None:
             problems.append(f"kernel {what} is {seen}, expected {want}")
 
 
+def tagged(cells: list, tag: str) -> int:
+    return next(i for i, c in enumerate(cells) if tag in c.metadata.get("tags", []))
+
+
+def run_exercise(page, problems: list[str], shift: int) -> None:
+    """The skeleton and check cells of the chapter's exercise, then a wrong attempt typed in a new cell.
+
+    `shift`: cells the check typed above the exercise (the probe cell), so stored index i is i + shift in the lab.
+    """
+    cells = nbformat.read(ROOT / NOTEBOOK, as_version=4).cells
+    skeleton, check = tagged(cells, "exercise-skeleton") + shift, tagged(cells, "exercise-check") + shift
+    page.evaluate(f"() => {{ jupyterapp.shell.currentWidget.content.activeCellIndex = {skeleton}; }}")
+    page.keyboard.press("Escape")
+    page.keyboard.press("Shift+Enter")
+    page.keyboard.press("Shift+Enter")
+    want = stream_text(cells[check - shift].outputs)
+    got = stream_text(wait_for(page, CELL_OUTPUTS, check, lambda o: stream_text(o) == want, RUN_TIMEOUT_S))
+    if got != want or "not written yet" not in got:
+        problems.append(f"the exercise's check cell printed {got!r}, its stored output is {want!r}")
+    page.evaluate(f"() => {{ jupyterapp.shell.currentWidget.content.activeCellIndex = {check}; }}")
+    page.keyboard.press("Escape")
+    page.keyboard.press("b")
+    attempt = page.evaluate(ACTIVE_INDEX)
+    page.keyboard.press("Enter")
+    page.keyboard.type(WRONG_ATTEMPT)
+    page.keyboard.press("Shift+Enter")
+    got = stream_text(wait_for(page, CELL_OUTPUTS, attempt, lambda o: "checks failed" in stream_text(o), 30))
+    errors = [o for o in page.evaluate(CELL_OUTPUTS, attempt) if o.get("output_type") == "error"]
+    if "linear_forward: 4 of 4 checks failed" not in got or "y = x W^T + b" not in got or errors:
+        problems.append(f"the wrong attempt's check printed {got!r}" + (f" and raised {errors}" if errors else ""))
+    print(f"exercise: the skeleton's check printed {len(want)} characters as stored; a wrong attempt reported:")
+    print("\n".join("    " + line for line in got.splitlines()[:2]))
+
+
 def check_in_browser(port: int, token: str) -> list[str]:
     problems, outside = [], []
     base = f"http://127.0.0.1:{port}/"
@@ -189,6 +228,7 @@ def check_in_browser(port: int, token: str) -> list[str]:
                 print(f"opened {NOTEBOOK}: {page.evaluate(CELL_COUNT)} cells, kernel idle")
                 run_first_cells(page, problems)
                 probe_kernel(page, problems)
+                run_exercise(page, problems, shift=1)
             SHOTS.mkdir(parents=True, exist_ok=True)
             page.screenshot(path=str(SHOTS / "lab.png"))
         finally:
