@@ -238,7 +238,7 @@ def test_adam_step_float64_out():
     def attempt(*a):
         return tuple(x.astype(np.float64) for x in _adam(*a))
 
-    _fails("adam_step", attempt, "float32: dtype: dtypes float64")
+    _fails("adam_step", attempt, "float32: param: dtype float64, expected float32")
 
 
 # --- length_penalty (chapter 13) -----------------------------------------------------------------------------------
