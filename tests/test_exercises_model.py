@@ -19,7 +19,16 @@ def _fails(name, attempt, *texts):
 
 
 @pytest.mark.parametrize(
-    "name", ["residual_forward", "residual_backward", "noam_lr", "adam_step", "length_penalty", "hypothesis_score"]
+    "name",
+    [
+        "residual_forward",
+        "residual_backward",
+        "decoder_mask",
+        "noam_lr",
+        "adam_step",
+        "length_penalty",
+        "hypothesis_score",
+    ],
 )
 def test_the_chapter_solution_passes(name):
     result = check(name, solution(name), quiet=True)
@@ -292,3 +301,63 @@ def test_hypothesis_score_counts_the_padding():
 
 def test_hypothesis_score_plain_power():
     _fails("hypothesis_score", lambda *a: _score(*a, lp=lambda n, alpha: n**alpha), "alpha 0.6: off by")
+
+
+# --- decoder_mask (chapter 9) --------------------------------------------------------------------------------------
+
+
+def _causal(T):
+    return np.tril(np.ones((T, T), dtype=bool))
+
+
+def test_decoder_mask_pads_the_queries_too():
+    def attempt(tokens, pad_id):  # padded query rows masked as well: their rows are fully masked
+        real = tokens != pad_id
+        return _causal(tokens.shape[1])[None, None] & real[:, None, :, None] & real[:, None, None, :]
+
+    result = _fails("decoder_mask", attempt, "chapter 9's batch, padding in sentence 1: off by 1", "on the keys")
+    assert not result.failed("no padding")
+
+
+def test_decoder_mask_or_instead_of_and():
+    def attempt(tokens, pad_id):
+        return _causal(tokens.shape[1])[None, None] | (tokens != pad_id)[:, None, None, :]
+
+    _fails("decoder_mask", attempt, "no padding: causal alone: off by 1", "causal AND padding")
+
+
+def test_decoder_mask_sees_the_future():
+    def attempt(tokens, pad_id):  # triu: query i attends to keys i..T-1
+        return np.triu(np.ones((tokens.shape[1],) * 2, dtype=bool))[None, None] & (tokens != pad_id)[:, None, None, :]
+
+    result = _fails("decoder_mask", attempt, "no padding: causal alone: off by 1", "(j <= i)")
+    assert not result.failed("length 1")
+
+
+def test_decoder_mask_true_means_padding():
+    def attempt(tokens, pad_id):  # torch's key_padding_mask convention (True = masked) mixed into ours
+        return _causal(tokens.shape[1])[None, None] & (tokens == pad_id)[:, None, None, :]
+
+    _fails("decoder_mask", attempt, "off by 1")
+
+
+def test_decoder_mask_without_the_head_axis():
+    def attempt(tokens, pad_id):
+        return _causal(tokens.shape[1])[None] & (tokens != pad_id)[:, None, :]
+
+    _fails("decoder_mask", attempt, "shape (2, 5, 5), expected (2, 1, 5, 5)")
+
+
+def test_decoder_mask_as_integers():
+    def attempt(tokens, pad_id):
+        return (_causal(tokens.shape[1])[None, None] & (tokens != pad_id)[:, None, None, :]).astype(np.int64)
+
+    _fails("decoder_mask", attempt, "dtype int64, expected bool")
+
+
+def test_decoder_mask_pad_id_zero_hard_coded():
+    def attempt(tokens, pad_id):
+        return _causal(tokens.shape[1])[None, None] & (tokens != 0)[:, None, None, :]
+
+    result = _fails("decoder_mask", attempt, "pad_id 3, three sentences: off by 1")
+    assert not result.failed("chapter 9's batch")

@@ -1,10 +1,11 @@
-"""Graded exercises of Parts III-IV (chapters 8-13): the residual sublayer, the optimizer, the schedule, the search.
+"""Graded exercises of Parts III-IV (chapters 8-13): the residual sublayer, the decoder's mask, the optimizer and its
+schedule, the search's score.
 
 Each `grade_<name>(g)` draws seeded inputs, calls the attempt through the grader and compares it with the library:
 the residual sublayer with `EncoderLayer` (its self-attention branch silenced, so that one residual block is left),
-Adam with `tnp.Adam`, the schedule with `tfm_common.schedules.noam_lr`, the length penalty with
-`tnp.length_penalty` and a hypothesis's score with `tnp.sequence_scores` (on a stand-in model whose logits are
-given). See foundations.py for the pattern.
+the decoder's mask with `tnp.decoder_mask`, Adam with `tnp.Adam`, the schedule with `tfm_common.schedules.noam_lr`,
+the length penalty with `tnp.length_penalty` and a hypothesis's score with `tnp.sequence_scores` (on a stand-in
+model whose logits are given). See foundations.py for the pattern.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from ..decoding import length_penalty, sequence_scores
 from ..encoder_decoder import EncoderLayer
 from ..functional import log_softmax
 from ..layers import LayerNorm
+from ..masks import decoder_mask
 from ..module import Module, Parameter
 from ..optim import Adam
-from .grading import Exercise, Grader, central_differences
+from .grading import Exercise, Finding, Grader, central_differences
 
 __all__ = ["EXERCISES"]
 
@@ -106,6 +108,25 @@ def grade_residual_backward(g: Grader) -> None:
         got = g.run(f"{place}, float32", dy, x, *_parts(layer), norm_first, hint=hint_raise)
         layer(x)
         g.gradients(f"{place}, float32", got, {"dx": layer.backward(dy)}, tol=1e-5, dtype=np.float32)
+
+
+# --- chapter 9: the decoder's self-attention mask ----------------------------------------------------------------
+
+
+def grade_decoder_mask(g: Grader) -> None:
+    hint = "mask[b, 0, i, j] = (j <= i) and tokens[b, j] != pad_id: causal AND padding, the padding on the keys"
+    cases = (  # label, tokens (B, T), pad_id
+        ("chapter 9's batch, padding in sentence 1", [[1, 2, 3, 4, 5], [1, 6, 7, 0, 0]], 0),
+        ("no padding: causal alone", [[1, 2, 3], [4, 5, 6]], 0),
+        ("length 1", [[1], [1]], 0),
+        ("pad_id 3, three sentences", [[5, 6, 7, 8], [5, 3, 3, 3], [9, 4, 3, 3]], 3),
+    )
+    for label, tokens, pad_id in cases:
+        tokens = np.array(tokens, dtype=np.int64)
+        got = g.run(label, tokens, pad_id, hint=hint)
+        expected = decoder_mask(tokens, pad_id)
+        if g.compare(label, got, expected, tol=0, dtype=np.bool_, hint=hint):  # booleans: equal, or not
+            g.result.findings[-1] = Finding(label, True, f"{expected.shape}, the library's mask exactly")
 
 
 # --- chapter 12: the warm-up schedule and one Adam step ------------------------------------------------------------
@@ -248,6 +269,12 @@ EXERCISES: tuple[Exercise, ...] = (
         "08_sublayers",
         "residual_backward(dy, x, sublayer, norm, norm_first) -> dx: dy, x (B, T, d)",
         grade_residual_backward,
+    ),
+    Exercise(
+        "decoder_mask",
+        "09_encoder_decoder",
+        "decoder_mask(tgt_tokens, pad_id) -> mask (B, 1, T, T) bool, True = may attend: tgt_tokens (B, T) int",
+        grade_decoder_mask,
     ),
     Exercise(
         "noam_lr",
