@@ -109,6 +109,15 @@ def num(x) -> str:
     return f"{float(x):.3g}"
 
 
+def _distinct(a, b) -> tuple[str, str]:
+    """Two different numbers printed with the fewest significant digits (3 at least) that tell them apart."""
+    for digits in range(3, 18):
+        sa, sb = f"{float(a):.{digits}g}", f"{float(b):.{digits}g}"
+        if sa != sb:
+            return sa, sb
+    return sa, sb
+
+
 def _raised(e: Exception) -> str:
     """An exception as one short line: its type and the start of its message."""
     msg = " ".join(str(e).split())
@@ -169,7 +178,7 @@ class Grader:
             detail = f"shape {got.shape}, expected {expected.shape}"
             return self.record(check, False, detail + (f". {hint}" if hint else ""))
         if dtype is not None and got.dtype != np.dtype(dtype):
-            return self.record(check, False, f"dtype {got.dtype}, expected {np.dtype(dtype)} (the inputs' dtype)")
+            return self.record(check, False, f"dtype {got.dtype}, expected {np.dtype(dtype)}")
         if got.size == 0:
             return self.record(check, True, f"shape {got.shape}, empty as expected")
         bad = ~np.isfinite(got) & np.isfinite(expected)
@@ -184,7 +193,8 @@ class Grader:
         if worst <= tol:
             return self.record(check, True, f"{_shape(got)}, within {tol:.0e} of the library")
         idx = np.unravel_index(np.argmax(err), got.shape)
-        detail = f"off by {num(err[idx])} at index {_where(idx)}: got {num(got[idx])}, expected {num(expected[idx])}"
+        shown = _distinct(got[idx], expected[idx])
+        detail = f"off by {num(err[idx])} at index {_where(idx)}: got {shown[0]}, expected {shown[1]}"
         return self.record(check, False, detail + (f". {hint}" if hint else ""))
 
     def gradients(self, check: str, got, expected: dict, *, tol: float, hints=None, dtype=None) -> bool:
