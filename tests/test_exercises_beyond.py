@@ -1,5 +1,5 @@
-"""Wrong attempts at the exercises of Parts V-VIII (chapters 15b and 18): each fails with a message that points at
-the mistake."""
+"""Wrong attempts at the exercises of Parts V-VIII (chapters 15b, 17b, 18 and 19a): each fails with a message that
+points at the mistake."""
 
 from __future__ import annotations
 
@@ -274,8 +274,131 @@ def test_rope_backward_negates_the_cosine_too():
     _fails("rope_backward", attempt, "dx: off by")
 
 
+# --- top_p_filter (chapter 17b) -------------------------------------------------------------------------------------
+
+
+def _softmax(logits):
+    p = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    return p / p.sum(axis=-1, keepdims=True)
+
+
+def _top_p(logits, top_p, *, include_crossing=True, by_rank=False, sort=True, renormalize=True):
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    p = _softmax(logits)
+    order = np.argsort(-p, axis=-1, kind="stable") if sort else np.broadcast_to(np.arange(p.shape[-1]), p.shape)
+    ranked = np.take_along_axis(p, order, axis=-1)
+    before = np.cumsum(ranked, axis=-1) - ranked  # the mass of the tokens ranked above each one
+    keep_ranked = before < top_p if include_crossing else np.cumsum(ranked, axis=-1) <= top_p
+    if by_rank:  # exactly the ranks kept: ties with the last one kept are dropped
+        keep = np.zeros_like(keep_ranked)
+        np.put_along_axis(keep, order, keep_ranked, axis=-1)
+    else:
+        smallest = np.where(keep_ranked, ranked, np.inf).min(axis=-1, keepdims=True)
+        keep = p >= smallest
+    q = np.where(keep, p, 0.0)
+    return q / q.sum(axis=-1, keepdims=True) if renormalize else q
+
+
+def test_top_p_reference_attempt_passes():
+    assert check("top_p_filter", _top_p, quiet=True).passed
+
+
+def test_top_p_excludes_the_token_that_crosses_the_threshold():
+    def attempt(logits, top_p):
+        return _top_p(logits, top_p, include_crossing=False)
+
+    result = _fails("top_p_filter", attempt, "top_p 0.6: keeps 0.4 and 0.3: off by", "the token that crosses")
+    assert result.failed("a sure model")  # its only token crosses 0.9 at once: nothing would be left
+
+
+def test_top_p_without_sorting():
+    def attempt(logits, top_p):  # the running sum in vocabulary order
+        return _top_p(logits, top_p, sort=False)
+
+    _fails("top_p_filter", attempt, "random logits (3, 10), top_p 0.9: off by", "ranked by probability")
+
+
+def test_top_p_drops_ties_with_the_last_token_kept():
+    def attempt(logits, top_p):
+        return _top_p(logits, top_p, by_rank=True)
+
+    result = _fails("top_p_filter", attempt, "ties: probabilities (0.4, 0.2, 0.2, 0.2), top_p 0.5: off by")
+    assert result.failed("a set of probabilities, not of ranks") and len(result.failures) == 1
+
+
+def test_top_p_not_renormalized():
+    def attempt(logits, top_p):
+        return _top_p(logits, top_p, renormalize=False)
+
+    result = _fails("top_p_filter", attempt, "random logits (4, 50), top_p 0.5: off by")
+    assert not result.failed("top_p 1: every token")  # nothing removed: the sum is already 1
+
+
+def test_top_p_accepts_any_top_p():
+    def attempt(logits, top_p):
+        return _top_p(logits, min(max(top_p, 1e-9), 1.0))
+
+    _fails("top_p_filter", attempt, "top_p = 0.0: accepted it silently", "top_p must be in (0, 1]")
+
+
+# --- patchify (chapter 19a) -----------------------------------------------------------------------------------------
+
+
+def _patchify(images, p, order=(0, 2, 4, 1, 3, 5)):
+    B, C, H, W = images.shape
+    if H % p or W % p:
+        raise ValueError(f"patch size {p} must divide {H} and {W}")
+    return images.reshape(B, C, H // p, p, W // p, p).transpose(order).reshape(B, (H // p) * (W // p), C * p * p)
+
+
+def test_patchify_reshape_without_transpose():
+    def attempt(images, p):  # stripes of p*p consecutive pixels, not squares
+        return images.reshape(images.shape[0], -1, images.shape[1] * p * p)
+
+    result = _fails("patchify", attempt, "1 channel, 8 x 8, patch 4 (the chapter's digits): off by", "stripes")
+    assert result.failed("accepted it silently")  # 8 x 6 has 48 = 3 x 16 pixels: the reshape goes through
+
+
+def test_patchify_channel_last():
+    def attempt(images, p):  # each patch flattened (p, p, C): the order of an image file, not of a Conv2d weight
+        return _patchify(images, p, (0, 2, 4, 3, 5, 1))
+
+    result = _fails("patchify", attempt, "3 channels, 8 x 8, patch 2: off by", "channel first")
+    assert not result.failed("1 channel")  # one channel: both orders agree
+
+
+def test_patchify_column_major_patches():
+    def attempt(images, p):  # the patches taken top to bottom, then left to right
+        return _patchify(images, p, (0, 4, 2, 1, 3, 5))
+
+    _fails("patchify", attempt, "a 4 x 8 image, patch 2: a grid of 2 x 4: off by", "row-major order")
+
+
+def test_patchify_drops_the_pixels_that_do_not_fit():
+    def attempt(images, p):  # crops silently
+        H, W = images.shape[-2:]
+        return _patchify(images[..., : H - H % p, : W - W % p], p)
+
+    result = _fails("patchify", attempt, "an 8 x 6 image, patch 4", "accepted it silently")
+    assert len(result.failures) == 1
+
+
+def test_patchify_float32_upcast():
+    _fails("patchify", lambda images, p: _patchify(images.astype(np.float64), p), "float32: dtype float64")
+
+
 @pytest.mark.parametrize(
-    "name", ["online_softmax_attention", "rms_norm_forward", "rms_norm_backward", "rope_forward", "rope_backward"]
+    "name",
+    [
+        "online_softmax_attention",
+        "rms_norm_forward",
+        "rms_norm_backward",
+        "rope_forward",
+        "rope_backward",
+        "top_p_filter",
+        "patchify",
+    ],
 )
 def test_solution_is_the_chapter_one(name):
     assert check(name, solution(name), quiet=True).passed

@@ -2,6 +2,7 @@
 
 Chapter 15b: flash attention's online softmax (`online_softmax_attention`). Chapter 18: RMSNorm forward and
 backward (`rms_norm_forward`, `rms_norm_backward`) and rotary position embedding (`rope_forward`, `rope_backward`).
+Chapter 17b: the nucleus of top-p sampling (`top_p_filter`). Chapter 19a: cutting images into patches (`patchify`).
 """
 
 from __future__ import annotations
@@ -10,9 +11,12 @@ import tracemalloc
 
 import numpy as np
 
+from tfm_common.sampling import _nucleus
+
 from ..attention import scaled_dot_product_attention
 from ..flash import flash_attention
 from ..modern import RMSNorm, apply_rope, rope_angles
+from ..vit import patchify
 from .grading import MISSING, Exercise, Finding, Grader, _where, central_differences, num
 
 __all__ = ["EXERCISES"]
@@ -254,6 +258,106 @@ def grade_rope_backward(g: Grader) -> None:
     g.compare("float32", got, apply_rope(dy, cos, -sin), tol=1e-6, dtype=np.float32)
 
 
+# --- chapter 17b: top-p (nucleus) filtering ----------------------------------------------------------------------
+
+TOP_P_HINT = (
+    "sort the probabilities in decreasing order, keep the tokens up to AND including the first at which the running "
+    "sum reaches top_p, set the others to 0 and renormalize"
+)
+
+
+def _nucleus_probs(logits: np.ndarray, top_p: float) -> np.ndarray:
+    """The library's nucleus (tfm_common.sampling, what `generate` draws from), renormalized: (B, V) float64."""
+    p = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    p = _nucleus(p, top_p) if top_p < 1 else p
+    return p / p.sum(axis=-1, keepdims=True)
+
+
+def _logits_of(probs) -> np.ndarray:
+    return np.log(np.asarray(probs, dtype=np.float64))[None, :]
+
+
+def grade_top_p_filter(g: Grader) -> None:
+    rng = np.random.default_rng(1701)
+    cases = (
+        ("random logits (3, 10), top_p 0.9", 2 * rng.standard_normal((3, 10)), 0.9, TOP_P_HINT),
+        ("random logits (4, 50), top_p 0.5", 3 * rng.standard_normal((4, 50)), 0.5, TOP_P_HINT),
+        (
+            "probabilities (0.1, 0.4, 0.2, 0.3), top_p 0.6: keeps 0.4 and 0.3",
+            _logits_of([0.1, 0.4, 0.2, 0.3]),
+            0.6,
+            "0.4 alone is below 0.6: the token that crosses the threshold (0.3) is kept too; and the tokens are "
+            "ranked by probability, not taken in vocabulary order",
+        ),
+        (
+            "a sure model (one token of probability 0.97), top_p 0.9",
+            _logits_of([0.01, 0.97, 0.01, 0.01]),
+            0.9,
+            "the first token already reaches top_p: the nucleus is that token alone, with probability 1",
+        ),
+        (
+            "ties: probabilities (0.4, 0.2, 0.2, 0.2), top_p 0.5",
+            _logits_of([0.2, 0.2, 0.4, 0.2]),
+            0.5,
+            "tokens tied with the last one kept are kept too (here all four): the nucleus is a set of probabilities, "
+            "not of ranks",
+        ),
+        ("top_p 1: every token", rng.standard_normal((2, 8)), 1.0, "top_p = 1 keeps every token (plain softmax)"),
+        ("one row, V = 1", rng.standard_normal((1, 1)), 0.3, TOP_P_HINT),
+    )
+    for label, logits, top_p, hint in cases:
+        got = g.run(label, logits, top_p, hint=hint)
+        g.compare(label, got, _nucleus_probs(logits, top_p), tol=1e-12, hint=hint)
+    logits = rng.standard_normal((2, 5))
+    for top_p in (0.0, 1.5):
+        g.refuses(
+            f"top_p = {top_p}",
+            logits,
+            top_p,
+            expected="says top_p must be in (0, 1]",
+        )
+
+
+# --- chapter 19a: patches as tokens ---------------------------------------------------------------------------------
+
+PATCH_HINT = (
+    "split H into (H/p, p) and W into (W/p, p), move the two grid axes to the front, then flatten: "
+    "(B, C, gh, p, gw, p) -> (B, gh, gw, C, p, p) -> (B, N, C p p); a reshape alone cuts stripes, not squares"
+)
+PATCH_CASES = (
+    ("1 channel, 8 x 8, patch 4 (the chapter's digits)", (2, 1, 8, 8), 4, PATCH_HINT),
+    (
+        "3 channels, 8 x 8, patch 2",
+        (2, 3, 8, 8),
+        2,
+        "each patch is flattened channel first, (C, p, p): the order of a Conv2d weight (d, C, p, p)",
+    ),
+    (
+        "a 4 x 8 image, patch 2: a grid of 2 x 4",
+        (1, 2, 4, 8),
+        2,
+        "patches in row-major order: left to right along a row of patches, then the next row",
+    ),
+    ("patch 1: every pixel a token", (2, 3, 4, 4), 1, PATCH_HINT),
+    ("patch 8 = the image: one token", (2, 3, 8, 8), 8, PATCH_HINT),
+)
+
+
+def grade_patchify(g: Grader) -> None:
+    rng = np.random.default_rng(1901)
+    for label, shape, p, hint in PATCH_CASES:
+        images = rng.standard_normal(shape)
+        g.compare(label, g.run(label, images, p, hint=hint), patchify(images, p), tol=1e-12, hint=hint)
+    images = rng.standard_normal((2, 3, 8, 8)).astype(np.float32)
+    g.compare("float32", g.run("float32", images, 4), patchify(images, 4), tol=1e-12, dtype=np.float32)
+    g.refuses(
+        "an 8 x 6 image, patch 4 (6 is not a multiple of 4)",
+        rng.standard_normal((1, 1, 8, 6)),
+        4,
+        expected="says the patch size must divide the height and the width (no pixels silently dropped)",
+    )
+
+
 EXERCISES: tuple[Exercise, ...] = (
     Exercise(
         "online_softmax_attention",
@@ -285,5 +389,18 @@ EXERCISES: tuple[Exercise, ...] = (
         "18_since_2017",
         "rope_backward(dy, cos, sin) -> dx: dy (..., T, d), cos and sin (T, d/2)",
         grade_rope_backward,
+    ),
+    Exercise(
+        "top_p_filter",
+        "17b_gpt",
+        "top_p_filter(logits, top_p) -> probs: logits (B, V), top_p in (0, 1]; probs (B, V), 0 outside each row's "
+        "nucleus, rows summing to 1",
+        grade_top_p_filter,
+    ),
+    Exercise(
+        "patchify",
+        "19a_vit",
+        "patchify(images, patch_size) -> patches: images (B, C, H, W) -> (B, N, C p p), N = (H/p)(W/p)",
+        grade_patchify,
     ),
 )
