@@ -356,7 +356,7 @@ def test_patchify_reshape_without_transpose():
     def attempt(images, p):  # stripes of p*p consecutive pixels, not squares
         return images.reshape(images.shape[0], -1, images.shape[1] * p * p)
 
-    result = _fails("patchify", attempt, "1 channel, 8 x 8, patch 4 (the chapter's digits): off by", "stripes")
+    result = _fails("patchify", attempt, "1 channel, 8 x 8, patch 4 (the digits' shape): off by", "stripes")
     assert result.failed("accepted it silently")  # 8 x 6 has 48 = 3 x 16 pixels: the reshape goes through
 
 

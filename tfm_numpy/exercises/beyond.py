@@ -101,9 +101,9 @@ def grade_online_softmax_attention(g: Grader) -> None:
 
 
 def _grade_memory(g: Grader, rng) -> None:
-    """Tq = Tk = 1024 and block_size 64: the peak memory stays below half of one (Tq, Tk) float64 array (8 MiB)."""
-    label = "no (Tq, Tk) array: T = 1024, block_size 64"
-    q, k, v = _attention_inputs(rng, (), 1024, 1024, dk=8, dv=8)
+    """Tq = Tk = 2048 and block_size 64: the peak memory stays below half of one (Tq, Tk) float64 array (32 MiB)."""
+    label = "no (Tq, Tk) array: T = 2048, block_size 64"
+    q, k, v = _attention_inputs(rng, (), 2048, 2048, dk=8, dv=8)
     full = q.shape[-2] * k.shape[-2] * q.itemsize  # bytes of one (Tq, Tk) array
     started = not tracemalloc.is_tracing()
     if started:
@@ -325,7 +325,7 @@ PATCH_HINT = (
     "(B, C, gh, p, gw, p) -> (B, gh, gw, C, p, p) -> (B, N, C p p); a reshape alone cuts stripes, not squares"
 )
 PATCH_CASES = (
-    ("1 channel, 8 x 8, patch 4 (the chapter's digits)", (2, 1, 8, 8), 4, PATCH_HINT),
+    ("1 channel, 8 x 8, patch 4 (the digits' shape)", (2, 1, 8, 8), 4, PATCH_HINT),
     (
         "3 channels, 8 x 8, patch 2",
         (2, 3, 8, 8),
