@@ -19,7 +19,15 @@ import numpy as np
 
 from .validate import check_real, check_seed, check_size
 
-__all__ = ["check_token_window", "check_generate", "check_top_p", "as_numpy_rng", "sample_next", "check_logits"]
+__all__ = [
+    "check_token_window",
+    "check_generate",
+    "check_top_p",
+    "as_numpy_rng",
+    "sample_next",
+    "nucleus",
+    "check_logits",
+]
 
 
 def check_token_window(owner: str, shape: tuple, offset: int, max_len: int) -> int:
@@ -96,13 +104,13 @@ def sample_next(logits: np.ndarray, temperature: float, top_k: int | None, rng: 
     with np.errstate(over="ignore"):  # a gap beyond the float range (a tiny temperature) is -inf: probability 0
         p = np.exp(z - z.max(axis=-1, keepdims=True))  # (B, V), unnormalized
     if top_p is not None and top_p < 1:
-        p = _nucleus(p, top_p)
+        p = nucleus(p, top_p)
     cdf = np.cumsum(p, axis=-1)
     u = rng.random(len(p))[:, None] * cdf[:, -1:]  # (B, 1), in [0, total)
     return np.minimum((cdf <= u).sum(axis=-1), p.shape[-1] - 1).astype(np.int64)
 
 
-def _nucleus(p: np.ndarray, top_p: float) -> np.ndarray:
+def nucleus(p: np.ndarray, top_p: float) -> np.ndarray:
     """p (B, V), unnormalized, with every token outside each row's nucleus set to 0."""
     ranked = -np.sort(-p, axis=-1)  # (B, V), largest first
     mass = np.cumsum(ranked, axis=-1)
