@@ -308,6 +308,10 @@ def test_quantized_layers_refuse_bad_arguments(track, gpts):
         mod.QuantizedLinear.from_linear(lin, 2)
     with pytest.raises(ValueError, match="QuantizedLinear: group_size must divide the length 64"):
         mod.QuantizedLinear.from_linear(lin, 4, 128)  # one layer: not clamped, refused
+    with pytest.raises(ValueError, match="QuantizedLinear: in_features must be an int >= 1, got 0"):
+        mod.QuantizedLinear(0, 8, 8)
+    with pytest.raises(TypeError, match="QuantizedEmbedding: per_tensor expected True or False"):
+        mod.QuantizedEmbedding(10, 8, 8, per_tensor=1)
     q = mod.QuantizedLinear.from_linear(lin, 8)
     x32 = np.ones((2, 64), dtype=np.float32)
     with pytest.raises(TypeError, match="QuantizedLinear: expected dtype"):

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tfm_common.quantize import check_quantize_args, group_shapes, layer_group_size, packed_bytes, q_max, reduce_axis
+from tfm_common.validate import check_flag, check_sizes
 
 from .layers import Embedding, Linear
 from .module import Module, check_dtype, check_indices, check_input
@@ -93,7 +94,9 @@ class _QuantizedTable(Module):
     tensor. Inference only: a backward raises."""
 
     def _init_table(self, rows: int, cols: int, bits: int, group_size, per_tensor: bool, dtype) -> None:
-        axis, group = check_quantize_args(type(self).__name__, (rows, cols), bits, None if per_tensor else 1,
+        owner = type(self).__name__
+        check_flag(owner, "per_tensor", per_tensor)
+        axis, group = check_quantize_args(owner, (rows, cols), bits, None if per_tensor else 1,
                                           group_size)  # fmt: skip
         self.bits, self.group_size, self.per_tensor, self.axis = bits, group_size, per_tensor, axis
         self.codes = _frozen(torch.zeros(rows, cols, dtype=torch.int8))
@@ -121,7 +124,8 @@ class QuantizedLinear(_QuantizedTable):
     def __init__(self, in_features: int, out_features: int, bits: int, group_size: int | None = None,
                  bias: bool = True, *, per_tensor: bool = False, dtype=None):  # fmt: skip
         super().__init__()
-        self.in_features, self.out_features = in_features, out_features
+        sizes = check_sizes("QuantizedLinear", in_features=in_features, out_features=out_features)
+        self.in_features, self.out_features = in_features, out_features = sizes.values()
         self._init_table(out_features, in_features, bits, group_size, per_tensor, dtype)
         self.bias = _frozen(torch.zeros(out_features, dtype=self.scales.dtype)) if bias else None
 
@@ -153,7 +157,8 @@ class QuantizedEmbedding(_QuantizedTable):
     def __init__(self, num_embeddings: int, embedding_dim: int, bits: int, group_size: int | None = None, *,
                  per_tensor: bool = False, dtype=None):  # fmt: skip
         super().__init__()
-        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        sizes = check_sizes("QuantizedEmbedding", num_embeddings=num_embeddings, embedding_dim=embedding_dim)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim = sizes.values()
         self._init_table(num_embeddings, embedding_dim, bits, group_size, per_tensor, dtype)
 
     @classmethod
