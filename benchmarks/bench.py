@@ -22,6 +22,9 @@ What it prints, every figure measured in this one run:
      small and a base config: the NumPy GPT, the torch GPT and, third, the same GPT built from torch.nn's layers
      (tfm_torch.ReferenceGPT: nn.TransformerEncoderLayer(norm_first=True) with a causal mask, what a user would
      pick; same weights and batches).
+  8. greedy GPT decoding with quantized weights (chapter 21a): the small GPT config, float32 and weight-only
+     int8 per channel and int4 in groups of 32 (`quantize_linears`), NumPy and torch side by side: tokens per
+     second and the model's bytes (codes at their bit width).
 
 How it measures. Each library runs in its own worker process (`--worker numpy|torch`), started with its thread
 count in the environment before NumPy or torch is imported (OPENBLAS_NUM_THREADS / OMP_NUM_THREADS /
@@ -78,7 +81,8 @@ GPT_CONFIGS = {
     "small": dict(vocab_size=1000, d_model=128, n_heads=4, d_ff=512, n_layers=4, batch=16, length=64),
     "base": dict(vocab_size=8000, d_model=512, n_heads=8, d_ff=2048, n_layers=6, batch=8, length=128),
 }
-SECTIONS = ("train", "forward", "decode", "float64", "positions", "gpt")
+SECTIONS = ("train", "forward", "decode", "float64", "positions", "gpt", "quantized")
+QUANT_FORMATS = {"float32": None, "int8": dict(bits=8), "int4 g32": dict(bits=4, group_size=32)}  # section 8
 PAD, BOS = 0, 1  # token ids of the benchmark's vocabulary; real tokens are drawn from [3, vocab)
 
 
@@ -269,6 +273,21 @@ class NumpyTrack:
         opt, loss_fn = tnp.make_adam(model, lr=1e-4), tnp.CrossEntropyLoss()
         return lambda: tnp.lm_train_step(model, x, y, opt, loss_fn, lr=1e-4)
 
+    def quantized(self, cfg: dict, fmt: str, new_tokens: int):
+        """Greedy decoding (the key/value cache) of new_tokens after an 8-token prompt, weights in format `fmt`."""
+        model = _quantized_gpt(self.tnp, _gpt(self.tnp, cfg, self.np.float32), fmt)
+        prompt = _gpt_data(cfg)[0][:, :8]
+        return lambda: model.generate(prompt, new_tokens, temperature=0.0)
+
+    def quantized_bytes(self, cfg: dict, fmt: str):
+        model = _quantized_gpt(self.tnp, _gpt(self.tnp, cfg, self.np.float32), fmt)
+        return lambda: self.tnp.model_bytes(model)
+
+
+def _quantized_gpt(track, model, fmt: str):
+    kw = QUANT_FORMATS[fmt]
+    return model.eval() if kw is None else track.quantize_linears(model, **kw).eval()
+
 
 class TorchTrack:
     name = "torch"
@@ -364,6 +383,21 @@ class TorchTrack:
             return loss
 
         return step
+
+    def quantized(self, cfg: dict, fmt: str, new_tokens: int):
+        torch, tpt = self.torch, self.tpt
+        model = _gpt(tpt, cfg, torch.float32)
+        model.load_state_dict(
+            {k: torch.from_numpy(v) for k, v in _gpt(NumpyTrack().tnp, cfg, "float32").state_dict().items()}
+        )
+        model = _quantized_gpt(tpt, model, fmt)
+        prompt = torch.from_numpy(_gpt_data(cfg)[0][:, :8])
+
+        def run():
+            with torch.inference_mode():
+                return model.generate(prompt, new_tokens, temperature=0.0)
+
+        return run
 
 
 def _eos_never_generated(decode, to_numpy, out_len: int) -> int:
@@ -643,6 +677,22 @@ class Bench:
         ratio = self.mm[("numpy", "float32")] / self.mm[("numpy", "float64")]
         header = ["config", "float32 ms", "float64 ms", "float64/float32", "float64 GFLOP/s (% mm float64)"]
         print_table(f"5. NumPy track, training step, float64 vs float32 (matmul rate ratio: {ratio:.2f})", header, rows)
+
+    def quantized(self) -> None:
+        """Greedy GPT decoding with weight-only quantized weights: tokens per second and model bytes."""
+        new_tokens = 32 if self.args.quick else 56
+        cfg = {**GPT_CONFIGS["small"], "batch": 1}
+        self.res["quantized"], rows = {"cfg": cfg, "new_tokens": new_tokens, "formats": {}}, []
+        for fmt in QUANT_FORMATS:
+            r = self.measure(self.workers, "quantized", cfg=cfg, fmt=fmt, new_tokens=new_tokens)
+            self.npw.ask(op="setup", task="quantized_bytes", args=dict(cfg=cfg, fmt=fmt), block=0)
+            nbytes = self.npw.ask(op="call")["value"]
+            self.res["quantized"]["formats"][fmt] = {"bytes": nbytes, **r}
+            tn, tt = r["numpy"]["median_s"], r["torch"]["median_s"]
+            rows.append([fmt, f"{nbytes:,}", f"{new_tokens / tn:.0f}", f"{new_tokens / tt:.0f}", f"{tn / tt:.2f}"])
+        header = ["weights", "model bytes", "NumPy tokens/s", "torch tokens/s", "NumPy/torch time"]
+        title = f"8. Greedy GPT decoding, small GPT config, batch 1, {new_tokens} new tokens: quantized weights"
+        print_table(title, header, rows)
 
     def positions(self) -> None:
         """Time per token against its position: the median over the repeats at every position, both caches."""

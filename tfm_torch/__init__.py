@@ -16,6 +16,7 @@ from .modern import *  # noqa: F403
 from .optim import *  # noqa: F403
 from .parallel import *  # noqa: F403
 from .positional import *  # noqa: F403
+from .quantize import *  # noqa: F403
 from .reference import *  # noqa: F403
 from .sublayers import *  # noqa: F403
 from .swin import *  # noqa: F403
