@@ -19,6 +19,7 @@ from .module import Parameter as Parameter
 from .optim import *  # noqa: F403
 from .parallel import *  # noqa: F403
 from .positional import *  # noqa: F403
+from .speculative import *  # noqa: F403
 from .sublayers import *  # noqa: F403
 from .swin import *  # noqa: F403
 from .train import *  # noqa: F403
