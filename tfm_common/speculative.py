@@ -23,6 +23,7 @@ from .validate import check_size
 __all__ = [
     "SpeculativeOutput",
     "check_speculative",
+    "check_rollback",
     "distribution",
     "sample_from",
     "verify",
@@ -79,6 +80,14 @@ def check_speculative(target, draft, tokens_shape: tuple, max_new_tokens, k, tem
     n, temperature, top_k, rng, _ = check_generate(OWNER, T0, max_new_tokens, temperature, top_k, rng,
                                                    target.vocab_size, max_len)  # fmt: skip
     return n, k, temperature, top_k, rng
+
+
+def check_rollback(cache: dict, length) -> int:
+    """`rollback_cache`'s length: an int from 0 to the cache's own length (a rollback never grows a cache)."""
+    length = check_size("rollback_cache", "length", length, minimum=0)
+    if length > cache.get("length", 0):
+        raise ValueError(f"rollback_cache: length must be <= the cache's length {cache.get('length', 0)}, got {length}")
+    return length
 
 
 def distribution(logits: np.ndarray, temperature: float, top_k: int | None) -> np.ndarray:

@@ -8,9 +8,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from tfm_common.speculative import SpeculativeOutput, check_speculative, distribution, sample_from, verify
+from tfm_common.speculative import (
+    SpeculativeOutput,
+    check_rollback,
+    check_speculative,
+    distribution,
+    sample_from,
+    verify,
+)
 from tfm_common.training import eval_mode
-from tfm_common.validate import check_size
 
 from .gpt import GPT
 from .module import check_indices
@@ -51,9 +57,7 @@ def rollback_cache(cache: dict, length: int) -> dict:
     """Forget the positions of a `GPT.forward_step` cache from `length` on (rejected proposals): each layer's keys
     and values become views of their first `length` positions, and cache["length"] = length. The buffers stay; the
     next forward_step writes over the forgotten positions. Returns the cache (changed in place)."""
-    length = check_size("rollback_cache", "length", length, minimum=0)
-    if length > cache.get("length", 0):
-        raise ValueError(f"rollback_cache: length must be <= the cache's length {cache.get('length', 0)}, got {length}")
+    length = check_rollback(cache, length)
     for layer in cache.get("layers", []):
         for name in ("k", "v"):
             if name in layer:

@@ -6,9 +6,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tfm_common.speculative import SpeculativeOutput, check_speculative, distribution, sample_from, verify
+from tfm_common.speculative import (
+    SpeculativeOutput,
+    check_rollback,
+    check_speculative,
+    distribution,
+    sample_from,
+    verify,
+)
 from tfm_common.training import eval_mode
-from tfm_common.validate import check_size
 
 from .gpt import GPT
 from .module import check_indices
@@ -47,9 +53,7 @@ def speculative_generate(target, draft, tokens, max_new_tokens, *, k, temperatur
 def rollback_cache(cache: dict, length: int) -> dict:
     """Forget the positions of a `GPT.forward_step` cache from `length` on, as tfm_numpy.rollback_cache (views of
     the same buffers; the next forward_step writes over the forgotten positions)."""
-    length = check_size("rollback_cache", "length", length, minimum=0)
-    if length > cache.get("length", 0):
-        raise ValueError(f"rollback_cache: length must be <= the cache's length {cache.get('length', 0)}, got {length}")
+    length = check_rollback(cache, length)
     for layer in cache.get("layers", []):
         for name in ("k", "v"):
             if name in layer:
