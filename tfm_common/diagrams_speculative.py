@@ -79,8 +79,12 @@ def plot_speculative_round(context, drafted, accepted: int, next_token: str, acc
     source = "from the residual\nnorm(max(0, p - q))" if accepted < k else "bonus token\nfrom p_{k+1}"
     _token(ax, accepted, _Y["out"], next_token, "target")
     ax.text(accepted * _DX, _Y["out"] + 0.55, source, ha="center", va="center", fontsize=8, color="tab:orange")
-    labels = {"draft": "draft proposes\n(k cached steps)", "target": "target verifies", "rule": "acceptance rule\nP(accept) = min(1, p/q)",
-              "out": f"output: {accepted + 1} token{'s' if accepted else ''}"}  # fmt: skip
+    labels = {
+        "draft": "draft proposes\n(k cached steps)",
+        "target": "target verifies",
+        "rule": "acceptance rule\nP(accept) = min(1, p/q)",
+        "out": f"output: {accepted + 1} token{'s' if accepted else ''}",
+    }
     for row, text in labels.items():
         ax.text((-c - 0.6) * _DX, _Y[row], text, ha="right", va="center", fontsize=10)
     ax.set_xlim((-c - 2.6) * _DX, (k + 0.6) * _DX)
