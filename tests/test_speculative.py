@@ -298,9 +298,12 @@ def test_statistics_and_zero_new_tokens(track):
     assert out.new_tokens == 10 and out.tokens.shape == (1, 13)
     assert out.tokens_per_forward == pytest.approx(10 / out.target_forwards)
     assert out.draft_forwards == out.proposed.sum() and out.proposed[:-1].max() == 3
+    rejections = int((out.accepted < out.proposed).sum())
+    assert out.alpha == pytest.approx(out.accepted.sum() / (out.accepted.sum() + rejections))
+    assert out.alpha >= out.acceptance_rate
     empty = lib.speculative_generate(target, draft, arr(PROMPTS[1]), 0, k=3, temperature=1.0, rng=4)
     assert np.array_equal(to_numpy(empty.tokens), PROMPTS[1]) and empty.target_forwards == 0
-    assert math.isnan(empty.acceptance_rate)
+    assert math.isnan(empty.acceptance_rate) and math.isnan(empty.alpha)
 
 
 @pytest.mark.parametrize("track", ["numpy", "torch"])

@@ -53,9 +53,17 @@ class SpeculativeOutput(NamedTuple):
 
     @property
     def acceptance_rate(self) -> float:
-        """Accepted proposals / proposals (nan if the draft proposed nothing)."""
+        """Accepted proposals / proposals: the share of the draft's work kept (nan if it proposed nothing)."""
         total = int(self.proposed.sum())
         return int(self.accepted.sum()) / total if total else math.nan
+
+    @property
+    def alpha(self) -> float:
+        """The rate at which the rule accepts the proposals it looks at: accepted / (accepted + rejections), each
+        round ending in at most one rejection (the proposals after it are never looked at). The alpha of
+        Leviathan et al.'s expected tokens per round (1 - alpha^(k+1)) / (1 - alpha); nan if none was looked at."""
+        looked_at = int(self.accepted.sum()) + int((self.accepted < self.proposed).sum())
+        return int(self.accepted.sum()) / looked_at if looked_at else math.nan
 
     @property
     def tokens_per_forward(self) -> float:
