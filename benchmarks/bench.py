@@ -25,6 +25,9 @@ What it prints, every figure measured in this one run:
   8. greedy GPT decoding with quantized weights (chapter 21a): the small GPT config, float32 and weight-only
      int8 per channel and int4 in groups of 32 (`quantize_linears`), NumPy and torch side by side: tokens per
      second and the model's bytes (codes at their bit width).
+  9. speculative decoding (chapter 21b): greedy decoding by `target.generate` and by `speculative_generate` (the draft
+     is the small GPT's first block alone), NumPy and torch side by side: tokens per second, target forwards per
+     token, acceptance.
 
 How it measures. Each library runs in its own worker process (`--worker numpy|torch`), started with its thread
 count in the environment before NumPy or torch is imported (OPENBLAS_NUM_THREADS / OMP_NUM_THREADS /
@@ -81,7 +84,7 @@ GPT_CONFIGS = {
     "small": dict(vocab_size=1000, d_model=128, n_heads=4, d_ff=512, n_layers=4, batch=16, length=64),
     "base": dict(vocab_size=8000, d_model=512, n_heads=8, d_ff=2048, n_layers=6, batch=8, length=128),
 }
-SECTIONS = ("train", "forward", "decode", "float64", "positions", "gpt", "quantized")
+SECTIONS = ("train", "forward", "decode", "float64", "positions", "gpt", "quantized", "speculative")
 QUANT_FORMATS = {"float32": None, "int8": dict(bits=8), "int4 g32": dict(bits=4, group_size=32)}  # section 8
 PAD, BOS = 0, 1  # token ids of the benchmark's vocabulary; real tokens are drawn from [3, vocab)
 
@@ -126,6 +129,29 @@ def _gpt_data(cfg: dict, seed: int = 2):
 
     ids = np.random.default_rng(seed).integers(0, cfg["vocab_size"], (cfg["batch"], cfg["length"] + 1))
     return ids[:, :-1], ids[:, 1:]
+
+
+def _speculative_models(module, cfg: dict, dtype):
+    """The speculative row's target (the GPT of `cfg`) and its draft: the target's first block alone (its
+    embeddings, block 0, final norm), an early exit; random weights, so the acceptance rate is this pair's."""
+    target = _gpt(module, cfg, dtype)
+    draft = _gpt(module, {**cfg, "n_layers": 1}, dtype)
+    keep = lambda name: not name.startswith("layers.") or name.startswith("layers.0.")  # noqa: E731
+    draft.load_state_dict({k: v for k, v in target.state_dict().items() if keep(k)})
+    return target, draft
+
+
+def _speculative_task(module, target, draft, prompt, k: int, new_tokens: int, plain: bool):
+    """Greedy decoding of new_tokens: target.generate alone (plain) or speculative_generate with k proposals;
+    each call returns its target forwards per token and acceptance rate."""
+    if plain:
+        return lambda: (target.generate(prompt, new_tokens, temperature=0), {"forwards_per_token": 1.0})[1]
+
+    def run():
+        out = module.speculative_generate(target, draft, prompt, new_tokens, k=k, temperature=0, rng=0)
+        return {"forwards_per_token": out.target_forwards / out.new_tokens, "acceptance": out.acceptance_rate}
+
+    return run
 
 
 WAIT_POLICIES = ("default", "passive", "active")  # --omp-wait-policy: OMP_WAIT_POLICY unset, PASSIVE, ACTIVE
@@ -283,6 +309,11 @@ class NumpyTrack:
         model = _quantized_gpt(self.tnp, _gpt(self.tnp, cfg, self.np.float32), fmt)
         return lambda: self.tnp.model_bytes(model)
 
+    def speculative(self, cfg: dict, k: int, new_tokens: int, plain: bool):
+        target, draft = _speculative_models(self.tnp, cfg, self.np.float32)
+        prompt = _gpt_data(cfg)[0][:1, :16]
+        return _speculative_task(self.tnp, target, draft, prompt, k, new_tokens, plain)
+
 
 def _quantized_gpt(track, model, fmt: str):
     kw = QUANT_FORMATS[fmt]
@@ -398,6 +429,17 @@ class TorchTrack:
                 return model.generate(prompt, new_tokens, temperature=0.0)
 
         return run
+
+    def speculative(self, cfg: dict, k: int, new_tokens: int, plain: bool):
+        """The NumPy track's models and prompt, in torch: the same weights, the same tokens."""
+        torch, tpt = self.torch, self.tpt
+        numpy_track = NumpyTrack()
+        ref_target, ref_draft = _speculative_models(numpy_track.tnp, cfg, numpy_track.np.float32)
+        target, draft = _speculative_models(tpt, cfg, torch.float32)
+        for model, ref in ((target, ref_target), (draft, ref_draft)):
+            model.load_state_dict({k: torch.from_numpy(v) for k, v in ref.state_dict().items()})
+        prompt = torch.from_numpy(_gpt_data(cfg)[0][:1, :16])
+        return _speculative_task(tpt, target.eval(), draft.eval(), prompt, k, new_tokens, plain)
 
 
 def _eos_never_generated(decode, to_numpy, out_len: int) -> int:
@@ -628,6 +670,23 @@ class Bench:
     def gpt(self) -> None:
         title = "7. GPT training step (forward + backward + Adam), float32 (torch.nn: nn.TransformerEncoderLayer)"
         self.res["gpt"] = self._three_way("gpt", GPT_CONFIGS, gpt_train_flops, title)
+
+    def speculative(self) -> None:
+        cfg, k, new = {**GPT_CONFIGS["small"], "batch": 1}, 4, 48
+        self.res["speculative"], rows = {"cfg": cfg, "k": k, "new_tokens": new}, []
+        for label, plain in (("target.generate", True), (f"speculative_generate, k = {k}", False)):
+            r = self.measure(self.workers, "speculative", cfg=cfg, k=k, new_tokens=new, plain=plain)
+            stats = self.npw.ask(op="call")["value"]  # the same tokens in both tracks: one count
+            self.res["speculative"][label] = {**r, **stats}
+            tn, tt = r["numpy"]["median_s"], r["torch"]["median_s"]
+            rate = f"{stats['acceptance']:.2f}" if "acceptance" in stats else "-"
+            rows.append([label, f"{new / tn:.0f}", f"{new / tt:.0f}", f"{stats['forwards_per_token']:.2f}", rate])
+        header = ["greedy, 48 tokens", "NumPy tokens/s", "torch tokens/s", "target forwards/token", "acceptance"]
+        title = (
+            "9. Speculative decoding (chapter 21b), small GPT with random weights, batch 1; draft: its first block "
+            "alone (an early exit), which here agrees with the target on nearly every token: a best case"
+        )
+        print_table(title, header, rows)
 
     def forward(self) -> None:
         self.res["forward"], rows = {}, []

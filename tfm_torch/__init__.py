@@ -18,6 +18,7 @@ from .parallel import *  # noqa: F403
 from .positional import *  # noqa: F403
 from .quantize import *  # noqa: F403
 from .reference import *  # noqa: F403
+from .speculative import *  # noqa: F403
 from .sublayers import *  # noqa: F403
 from .swin import *  # noqa: F403
 from .train import *  # noqa: F403
