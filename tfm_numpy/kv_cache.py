@@ -7,7 +7,15 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["cache_append", "reorder_cache", "quantize_rows", "dequantize_rows", "store_kv", "ring_store", "cache_nbytes"]
+__all__ = [
+    "cache_append",
+    "reorder_cache",
+    "quantize_rows",
+    "dequantize_rows",
+    "store_kv",
+    "ring_store",
+    "cache_nbytes",
+]
 
 
 def cache_append(cache: dict, name: str, new: np.ndarray, axis: int) -> np.ndarray:

@@ -335,7 +335,6 @@ class GroupedQueryAttention(AttentionImpl, GroupedQueryAttentionDoor, Module):
         self._cache = None  # nothing for a backward: one after this step is an error, not a wrong gradient
         return self.out_proj(self._merge(ctx))
 
-
     def forward_rolling(self, x, cache: dict, mask, angles, keep, slots) -> np.ndarray:
         """`forward_step` with the rolling cache of a sliding window (chapter 21c; inference only): x (B, Tn, d) at
         positions whose RoPE `angles` (cos, sin) (Tn, d_head / 2) are given (None without RoPE: any position, past
