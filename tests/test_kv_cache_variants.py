@@ -50,7 +50,7 @@ def test_int8_cache_logits_are_close_to_the_float_cache(lib, window):
         out[kv_dtype] = np.concatenate([np.asarray(s.detach() if lib is tt else s) for s in steps], axis=1)
     assert max_abs_diff(out["float"], m(x)) < 1e-12
     err = max_abs_diff(out["int8"], out["float"])
-    assert 1e-5 < err < 0.05, err  # measured about 0.01 on logits of spread ~2: int8, not float, and close
+    assert 1e-5 < err < 0.05, err  # measured 0.011 (growing cache) and 0.015 (rolling) on logits spanning ~8.5
 
 
 def test_int8_cache_generates_the_same_tokens_in_both_tracks():

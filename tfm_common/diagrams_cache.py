@@ -18,7 +18,8 @@ from .rolling_cache import EMPTY_SLOT, kept_positions, rolling_slots, window_all
 
 __all__ = ["plot_rolling_cache", "slot_table"]
 
-_SINK, _WINDOW, _OUT, _NEW = "#fdd9a6", "#c6dbef", "#f0f0f0", "tab:red"
+_SINK, _WINDOW, _OUT, _NEW = "#fdd9a6", "#c6dbef", "#f0f0f0", "tab:red"  # the cache's slots
+_SINK_DARK, _WINDOW_DARK = "#d9730d", "#2b6ca3"  # the mask: True (may attend) dark, as the book's plot_mask
 
 
 def _check(owner: str, name: str, value, minimum: int) -> int:
@@ -58,7 +59,7 @@ def plot_rolling_cache(window: int = 5, sinks: int = 2, steps: int = 14) -> Figu
     left, right = fig.subplots(1, 2, width_ratios=(steps, sinks + window + 3))
     for q in range(steps):
         for k in range(steps):
-            color = (_SINK if k < sinks else _WINDOW) if allowed[q, k] else _OUT
+            color = (_SINK_DARK if k < sinks else _WINDOW_DARK) if allowed[q, k] else _OUT
             left.add_patch(Rectangle((k, q), 1, 1, facecolor=color, edgecolor="white", lw=1))
     left.set_xlim(0, steps)
     left.set_ylim(steps, 0)
