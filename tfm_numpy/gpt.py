@@ -114,6 +114,8 @@ class GPT(GPTDoor, Module):
       attn_impl   "explicit" (weights kept for plotting) or "flash" (tiled, chapter 15b, in tiles of tile_size
                   positions); tfm_torch also "sdpa". Not a weight and not in `config`: `use_attention(model, ...)`
                   switches it later
+      window      None (full causal attention) or w >= 1: GPT(..., window=w, sinks=s) builds a WindowedGPT
+                  (sliding-window attention and a rolling cache, chapter 21c); in `config` only when set
     Every option combination has one set of state_dict keys, in both tracks.
 
     Initialization (with `rng`), as chapter 10's Transformer: token embeddings N(0, 1/d_model), multiplied by
