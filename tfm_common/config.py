@@ -218,7 +218,7 @@ def config_numbers(model: str, c: dict) -> int | None:
     # Transformer: embeddings, positions (a table or weights) in both stacks, feed-forward weights
     if model in ("Transformer", "ReferenceTransformer"):
         return d * (_n(c, "src_vocab_size") + _n(c, "tgt_vocab_size") + 2 * max_len) + 4 * n_layers * d * d_ff
-    if model == "GPT":  # rope keeps a table of d_head / 2 cosines and sines per position
+    if model in ("GPT", "WindowedGPT"):  # rope keeps a table of d_head / 2 cosines and sines per position
         per_position = d // _n(c, "n_heads") if c.get("positional") == "rope" else d
         return d * _n(c, "vocab_size") + max_len * per_position + n_layers * d * d_ff
     patch, channels, classes = _n(c, "patch_size"), _n(c, "in_channels"), _n(c, "n_classes")

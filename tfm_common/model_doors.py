@@ -19,10 +19,13 @@ from .config import (
     check_window_grid,
     swin_shift,
 )
+from .rolling_cache import check_window_options
 from .sampling import check_generate, check_token_window
-from .validate import check_flag, check_size
+from .validate import check_choice, check_flag, check_size
 
-__all__ = ["GPTBlockDoor", "GPTDoor", "PatchEmbeddingDoor", "ImageModelDoor", "ViTDoor", "SwinDoor",
+KV_DTYPES = ("float", "int8")  # how a GPT's key/value cache keeps its numbers (GPT.new_cache, GPT.generate)
+
+__all__ = ["GPTBlockDoor", "GPTDoor", "WindowedGPTDoor", "PatchEmbeddingDoor", "ImageModelDoor", "ViTDoor", "SwinDoor",
            "WindowAttentionDoor", "SwinBlockDoor", "PatchMergingDoor"]  # fmt: skip
 
 
@@ -41,6 +44,13 @@ class GPTBlockDoor:
 class GPTDoor:
     """Token ids in the vocabulary that fit the context window after the cached positions; generate's arguments."""
 
+    def __new__(cls, *args, window=None, **kwargs):
+        """GPT(..., window=w) builds the track's WindowedGPT (sliding-window attention and the rolling cache, chapter
+        21c): the GPT of chapter 17b stays the full causal model; window=None keeps the class asked for."""
+        if window is not None and not issubclass(cls, cls._windowed):
+            cls = cls._windowed
+        return super().__new__(cls)
+
     def __init__(
         self,
         vocab_size: int,
@@ -58,13 +68,22 @@ class GPTDoor:
         tie_output: bool = True,
         attn_impl: str = "explicit",
         tile_size: int = 64,
+        window: int | None = None,
+        sinks: int = 0,
         rng=None,
         dtype=None,
     ):
         """embed, pos (None for rope), dropout, layers (n_layers GPTBlocks, sharing one RotaryEmbedding for rope),
-        norm and output_projection, registered in that order, then initialized as GPT's docstring says."""
+        norm and output_projection, registered in that order, then initialized as GPT's docstring says. `window`
+        and `sinks` (chapter 21c) are in `config` only when a window is set (a GPT(window=w) is a WindowedGPT)."""
         super().__init__()
         self.config = c = check_gpt_config("GPT", {k: v for k, v in locals().items() if k in GPT_ARGS})
+        self.window, self.sinks = check_window_options("GPT", window, sinks)
+        if (self.window is None) == isinstance(self, self._windowed):
+            raise ValueError(f"{type(self).__name__}: window expected an int >= 1 (a WindowedGPT has a window; "
+                             f"GPT(..., window=w) builds one), got window={window!r}")  # fmt: skip
+        if self.window is not None:
+            c.update(window=self.window, sinks=self.sinks)
         parts = self._parts
         attn_impl, tile_size = parts.check_attn_impl("GPT", attn_impl, tile_size)  # refused before anything is built
         self.vocab_size, self.d_model, self.max_len = c["vocab_size"], c["d_model"], c["max_len"]
@@ -111,17 +130,31 @@ class GPTDoor:
         want = (tokens.shape[0], attn.n_kv_heads, length, attn.d_head)
         for i, layer in enumerate(layers):
             got = [tuple(layer[n].shape) for n in ("k", "v") if isinstance(layer, dict) and n in layer]
-            if got != [want, want] and not (length == 0 and layer == {}):
+            if got != [want, want] and not (length == 0 and layer in ({}, {"kv_dtype": "int8"})):
                 raise ValueError(f"{owner}: layer {i} of the cache holds keys and values {got}, expected (B, "
                                  f"n_kv_heads, length, d_head) = {want}: a cache from another model or batch; "
                                  "start a new cache ({})")  # fmt: skip
 
-    def _check_generate(self, tokens, max_new_tokens, temperature, top_k, rng, use_cache, top_p=None):
-        """(max_new_tokens, temperature, top_k, a numpy Generator, top_p), checked with the prompt and use_cache."""
+    def _check_generate(self, tokens, max_new_tokens, temperature, top_k, rng, use_cache, top_p=None,
+                        kv_dtype="float"):  # fmt: skip
+        """(max_new_tokens, temperature, top_k, a numpy Generator, top_p), checked with the prompt, use_cache and
+        kv_dtype."""
         T0 = self._check_tokens(tokens, 0)
         check_flag("GPT.generate", "use_cache", use_cache)
+        check_choice("GPT.generate", "kv_dtype", kv_dtype, KV_DTYPES)
         return check_generate("GPT.generate", T0, max_new_tokens, temperature, top_k, rng, self.vocab_size,
-                              self.max_len, top_p)  # fmt: skip
+                              self._generate_positions(T0, max_new_tokens, use_cache), top_p)  # fmt: skip
+
+    def _generate_positions(self, T0, max_new_tokens, use_cache) -> int:
+        """How many positions generate may reach: max_len (a WindowedGPT's rolling cache: more, see its door)."""
+        return self.max_len
+
+    def new_cache(self, kv_dtype: str = "float") -> dict:
+        """An empty cache for `forward_step`: {} keeps the keys and values as floats (the model's dtype); "int8"
+        keeps them as int8 codes with one scale per (position, head) (`kv_cache.store_kv`), a quarter of float32's
+        bytes plus the scales."""
+        check_choice("GPT.new_cache", "kv_dtype", kv_dtype, KV_DTYPES)
+        return {} if kv_dtype == "float" else {"layers": [{"kv_dtype": kv_dtype} for _ in self.layers]}
 
     def _check_tokens(self, tokens, offset: int) -> int:
         self._check_ids("GPT: tokens", tokens, self.vocab_size)
@@ -133,7 +166,51 @@ class GPTDoor:
 
     def extra_repr(self) -> str:
         c = self.config
-        return ", ".join(f"{k}={c[k]!r}" for k in ("norm", "positional", "activation", "n_kv_heads", "tie_output"))
+        keys = ("norm", "positional", "activation", "n_kv_heads", "tie_output") + ("window", "sinks") * ("window" in c)
+        return ", ".join(f"{k}={c[k]!r}" for k in keys)
+
+
+class WindowedGPTDoor:
+    """A WindowedGPT's rolling cache (chapter 21c): with RoPE, positions past max_len; its own cache layout."""
+
+    def _generate_positions(self, T0, max_new_tokens, use_cache) -> int:
+        """The rolling cache lets a RoPE model generate past max_len; nothing else does (refused, saying why)."""
+        need = T0 + max_new_tokens - 1
+        if need <= self.max_len or not isinstance(max_new_tokens, int):
+            return self.max_len  # check_generate checks the rest
+        if self.config["positional"] != "rope":
+            raise ValueError(f"GPT.generate: a prompt of {T0} tokens and max_new_tokens={max_new_tokens} need {need} "
+                             f"positions, more than max_len={self.max_len}: only positional='rope' runs past max_len "
+                             f"(its rotations are computed for any position); this model has positional="
+                             f"{self.config['positional']!r}, a table of max_len positions")  # fmt: skip
+        if not use_cache:
+            raise ValueError(f"GPT.generate: use_cache=False re-runs the whole sequence, at most max_len="
+                             f"{self.max_len} positions; {need} need the rolling cache (use_cache=True)")  # fmt: skip
+        return need
+
+    def _check_forward_step(self, tokens, cache: dict) -> None:
+        """cache: a dict, empty at the first call (or new_cache's), then what this model's forward_step filled."""
+        owner = "GPT.forward_step"
+        if not isinstance(cache, dict):
+            raise TypeError(f"{owner}: cache expected a dict (empty at the first call), got {type(cache).__name__}")
+        length = check_size(owner, "cache['length']", cache.get("length", 0), minimum=0)
+        self._check_ids("GPT: tokens", tokens, self.vocab_size)
+        if self.config["positional"] == "rope":
+            check_token_window("GPT", tuple(tokens.shape), 0, self.max_len)  # a call's tokens; the positions: any
+        else:
+            check_token_window("GPT", tuple(tokens.shape), length, self.max_len)
+        attn, size = self.layers[0].self_attn, self.sinks + self.window
+        want = (tokens.shape[0], attn.n_kv_heads, size, attn.d_head)
+        layers = cache.get("layers", [{}] * len(self.layers))
+        if not isinstance(layers, list) or len(layers) != len(self.layers):
+            raise ValueError(f"{owner}: the cache's layers do not match this model's {len(self.layers)} layers: a "
+                             "cache from another model; start a new cache ({})")  # fmt: skip
+        for i, layer in enumerate(layers):
+            got = [tuple(layer[n].shape) for n in ("k", "v") if isinstance(layer, dict) and n in layer]
+            if got != [want, want] and not (length == 0 and layer in ({}, {"kv_dtype": "int8"})):
+                raise ValueError(f"{owner}: layer {i} of the cache holds keys and values {got}, expected the rolling "
+                                 f"cache's (B, n_kv_heads, sinks + window, d_head) = {want}: a cache from another "
+                                 "model or batch; start a new cache ({})")  # fmt: skip
 
 
 class PatchEmbeddingDoor:

@@ -13,20 +13,28 @@ from types import SimpleNamespace
 import numpy as np
 
 from tfm_common.config import own_init
-from tfm_common.model_doors import GPTBlockDoor, GPTDoor
+from tfm_common.model_doors import GPTBlockDoor, GPTDoor, WindowedGPTDoor
+from tfm_common.rolling_cache import EMPTY_SLOT, kept_positions, rolling_slots, window_allowed
 from tfm_common.sampling import sample_next
 from tfm_common.training import eval_mode
 
 from .attention import check_attn_impl, use_attention
 from .layers import Dropout, Embedding, LayerNorm, Linear
-from .masks import causal_mask
-from .modern import GroupedQueryAttention, RMSNorm, RotaryEmbedding, SwiGLUFeedForward, swiglu_hidden_size
+from .masks import band_mask, causal_mask
+from .modern import (
+    GroupedQueryAttention,
+    RMSNorm,
+    RotaryEmbedding,
+    SwiGLUFeedForward,
+    rope_angles_at,
+    swiglu_hidden_size,
+)
 from .module import Module, ModuleList, as_rng, check_dtype, check_indices, scale_
 from .positional import LearnedPositionalEmbedding, PositionalEncoding
 from .sublayers import PositionwiseFeedForward
 from .transformer import xavier_uniform_
 
-__all__ = ["GPTBlock", "GPT"]
+__all__ = ["GPTBlock", "GPT", "WindowedGPT"]
 
 
 def make_norm(norm: str, d_model: int, dtype) -> Module:
@@ -86,6 +94,11 @@ class GPTBlock(GPTBlockDoor, Module):
         x = x + self.dropout1(self.self_attn.forward_step(self.norm1(x), cache, mask))
         return x + self.dropout2(self.ff(self.norm2(x)))
 
+    def forward_rolling(self, x: np.ndarray, cache: dict, mask: np.ndarray, angles, keep, slots) -> np.ndarray:
+        """`forward_step` with a rolling cache (chapter 21c): see GroupedQueryAttention.forward_rolling."""
+        x = x + self.dropout1(self.self_attn.forward_rolling(self.norm1(x), cache, mask, angles, keep, slots))
+        return x + self.dropout2(self.ff(self.norm2(x)))
+
 
 class GPT(GPTDoor, Module):
     """A decoder-only Transformer (Radford et al., 2018, 2019): token embedding (+ positions), n_layers GPTBlocks
@@ -101,6 +114,8 @@ class GPT(GPTDoor, Module):
       attn_impl   "explicit" (weights kept for plotting) or "flash" (tiled, chapter 15b, in tiles of tile_size
                   positions); tfm_torch also "sdpa". Not a weight and not in `config`: `use_attention(model, ...)`
                   switches it later
+      window      None (full causal attention) or w >= 1: GPT(..., window=w, sinks=s) builds a WindowedGPT
+                  (sliding-window attention and a rolling cache, chapter 21c); in `config` only when set
     Every option combination has one set of state_dict keys, in both tracks.
 
     Initialization (with `rng`), as chapter 10's Transformer: token embeddings N(0, 1/d_model), multiplied by
@@ -157,7 +172,16 @@ class GPT(GPTDoor, Module):
         return self.output_projection(self.norm(x))
 
     def generate(
-        self, tokens, max_new_tokens: int, temperature: float = 1.0, top_k=None, rng=None, use_cache=True, *, top_p=None
+        self,
+        tokens,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k=None,
+        rng=None,
+        use_cache=True,
+        *,
+        top_p=None,
+        kv_dtype="float",
     ):
         """The prompt `tokens` (B, T0) followed by max_new_tokens sampled tokens: (B, T0 + max_new_tokens).
 
@@ -167,15 +191,16 @@ class GPT(GPTDoor, Module):
         temperature=0 is greedy (argmax). `rng` (a numpy Generator or int seed; None: seed 0) draws one
         uniform per row and step, in both tracks (tfm_common.sampling.sample_next), so the two tracks sample
         the same tokens from the same weights and seed. use_cache=False re-runs the whole sequence at every step
-        (the same tokens, slower). Eval mode (no dropout) for the call; the caller's mode is restored. Logits with
+        (the same tokens, slower). kv_dtype="int8" keeps the cache's keys and values as int8 codes (`new_cache`).
+        Eval mode (no dropout) for the call; the caller's mode is restored. Logits with
         no distribution (a NaN, e.g. from a NaN weight, or a row all -inf) raise FloatingPointError; +inf logits and
         a temperature too small for logits / T are taken at softmax's limits (see `sample_next`).
         """
         n, temperature, top_k, rng, top_p = self._check_generate(tokens, max_new_tokens, temperature, top_k, rng,
-                                                                 use_cache, top_p)  # fmt: skip
+                                                                 use_cache, top_p, kv_dtype)  # fmt: skip
         out = tokens.astype(np.int64)
         with eval_mode(self):
-            cache = {} if use_cache else None
+            cache = self.new_cache(kv_dtype) if use_cache else None
             for i in range(n):
                 if cache is None:
                     logits = self.forward(out)[:, -1]  # (B, V): the whole sequence again
@@ -187,6 +212,50 @@ class GPT(GPTDoor, Module):
         return out
 
 
+class WindowedGPT(WindowedGPTDoor, GPT):
+    """The GPT with sliding-window attention (chapter 21c): `GPT(..., window=w, sinks=s)` builds one. The query at
+    position i sees the keys i - w + 1 .. i and the first s positions ("attention sinks", Xiao et al. 2023); the same
+    weights, state_dict keys and backward as the GPT (the backward is the same code: only the mask differs).
+
+    `forward_step(tokens, cache)` keeps a rolling cache of s + w positions per layer, so memory is constant in the
+    generated length, and with positional="rope" the positions may run past max_len (`generate` too): a key is
+    rotated at its true position (`rope_angles_at`), and attention depends only on the offsets, all below w (or on
+    a sink's). Learned and sinusoidal positions have max_len rows: past them it refuses.
+    """
+
+    def forward(self, tokens: np.ndarray) -> np.ndarray:
+        x = self._embed(tokens, 0)  # (B, T, d)
+        mask = band_mask(tokens.shape[1], self.window, self.sinks)  # (1, 1, T, T): i sees i - w + 1 .. i (and sinks)
+        for layer in self.layers:
+            x = layer(x, mask)
+        self._cache = x.shape
+        return self.output_projection(self.norm(x))  # (B, T, V)
+
+    def forward_step(self, tokens: np.ndarray, cache: dict) -> np.ndarray:
+        """The logits (B, Tn, V) of new tokens (B, Tn) given the rolling `cache` (a dict, empty at the first call, or
+        `new_cache("int8")`): equal to `forward(all tokens so far)[:, -Tn:]` (band mask) at the cost of the new ones.
+        cache["length"] counts the positions so far, cache["slots"] (s + w,) the position each slot holds (-1:
+        empty), cache["layers"][i] the keys and values (B, n_kv_heads, s + w, d_head): allocated once."""
+        t0, Tn, size = cache.get("length", 0), tokens.shape[1], self.sinks + self.window
+        new = np.arange(t0, t0 + Tn)  # the new positions
+        slots = cache.get("slots", np.full(size, EMPTY_SLOT))  # (s + w,): the position in each slot
+        keys = np.concatenate([slots, new])  # what the new queries may attend to: the slots, then themselves
+        mask = window_allowed(new[:, None], keys[None, :], self.window, self.sinks)[None, None]  # (1, 1, Tn, s+w+Tn)
+        keep = kept_positions(new, t0 + Tn - 1, self.window, self.sinks)  # still needed after this call
+        where = rolling_slots(new[keep], self.window, self.sinks)  # and where they go
+        rotary = self.layers[0].self_attn.rotary  # RoPE: the new positions' angles, computed (past max_len too)
+        angles = None if rotary is None else rope_angles_at(new, rotary.d_head, rotary.base, rotary.dtype)
+        x = self._embed(tokens, t0)  # learned or sinusoidal positions: read at t0 .. t0 + Tn - 1 (< max_len)
+        layers = cache.setdefault("layers", [{} for _ in self.layers])
+        for layer, layer_cache in zip(self.layers, layers, strict=True):
+            x = layer.forward_rolling(x, layer_cache, mask, angles, keep, where)
+        slots = slots.copy()
+        slots[where] = new[keep]
+        cache["slots"], cache["length"] = slots, t0 + Tn
+        self._cache = None
+        return self.output_projection(self.norm(x))
+
+
 # the building blocks of the constructor written in tfm_common.model_doors (GPTDoor.__init__)
 GPT._parts = SimpleNamespace(
     check_dtype=check_dtype, as_rng=as_rng, check_attn_impl=check_attn_impl, use_attention=use_attention,
@@ -196,3 +265,4 @@ GPT._parts = SimpleNamespace(
 )  # fmt: skip
 # a wrong argument is refused in the name of GPT, not of its door; tfm_numpy's default dtype
 own_init(GPT, dtype=np.float32)
+GPT._windowed = WindowedGPT  # what GPT(..., window=w) builds (GPTDoor.__new__)

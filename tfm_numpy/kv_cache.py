@@ -1,12 +1,21 @@
 """The key/value cache of incremental decoding, NumPy track: keys and values grown in place in buffers allocated
 once (`cache_append`: MultiHeadAttention, GroupedQueryAttention, `Transformer.decode_step`), and the selection of
-their rows that a beam search step makes (`reorder_cache`)."""
+their rows that a beam search step makes (`reorder_cache`); chapter 21c's variants: keys and values kept as int8 codes
+(`store_kv`, `quantize_rows`) and the rolling cache of a sliding window (`ring_store`)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["cache_append", "reorder_cache"]
+__all__ = [
+    "cache_append",
+    "reorder_cache",
+    "quantize_rows",
+    "dequantize_rows",
+    "store_kv",
+    "ring_store",
+    "cache_nbytes",
+]
 
 
 def cache_append(cache: dict, name: str, new: np.ndarray, axis: int) -> np.ndarray:
@@ -76,3 +85,63 @@ def reorder_cache(cache: dict, rows: np.ndarray) -> dict:
         new_buf[(slice(None), *used)] = value[rows]
         out[key + "_buf"], out[key] = new_buf, new_buf[(slice(None), *used)]
     return out
+
+
+# -- chapter 21c: an int8 cache and a rolling cache ------------------------------------------------------------------
+
+
+def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric int8 codes of x (..., d), one scale per row (the last axis): scale = max|x| / 127,
+    codes = round(x / scale) in [-127, 127], so that codes * scale is within scale / 2 of x. Returns (codes int8
+    (..., d), scales (..., 1) of x's dtype); a row of zeros gets scale 0 and codes 0. (A per-row quantizer of its
+    own: the cache needs nothing more.)"""
+    scale = np.abs(x).max(axis=-1, keepdims=True) / 127  # (..., 1)
+    codes = np.rint(x / np.where(scale == 0, 1, scale))  # round half to even, as torch.round
+    return np.clip(codes, -127, 127).astype(np.int8), scale
+
+
+def dequantize_rows(codes: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """codes (..., d) int8 times their row's scale (..., 1): floats of the scale's dtype."""
+    return codes.astype(scale.dtype) * scale
+
+
+def store_kv(cache: dict, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Append the new keys and values (B, Hkv, Tn, dh) to one attention layer's cache (`cache_append`) and return all
+    of them so far, as floats. A layer cache made with "kv_dtype": "int8" (`GPT.new_cache("int8")`) keeps int8 codes
+    under "k", "v" and one scale per (position, head) under "k_scale", "v_scale" (B, Hkv, T, 1), dequantized here:
+    what attention reads is codes * scale, within half a step of the float keys."""
+    if cache.get("kv_dtype") != "int8":
+        return cache_append(cache, "k", k, axis=2), cache_append(cache, "v", v, axis=2)
+    out = []
+    for name, x in (("k", k), ("v", v)):
+        codes, scale = quantize_rows(x)
+        out.append(dequantize_rows(cache_append(cache, name, codes, 2), cache_append(cache, name + "_scale", scale, 2)))
+    return out[0], out[1]
+
+
+def ring_store(cache: dict, name: str, new: np.ndarray, keep: np.ndarray, slots: np.ndarray, size: int) -> np.ndarray:
+    """The rolling cache of a sliding window (tfm_common.rolling_cache): cache[name] (B, Hkv, size, dh) is allocated
+    once (zeros: an empty slot is masked, never read); returns its keys (or values) so far followed by the new ones
+    (B, Hkv, size + Tn, dh), as floats, then writes the new positions that stay needed (`keep`, bool (Tn,)) into
+    their `slots`. int8 codes and scales when cache["kv_dtype"] is "int8", as `store_kv`."""
+    int8 = cache.get("kv_dtype") == "int8"
+    if name not in cache:
+        B, H, _, dh = new.shape
+        cache[name] = np.zeros((B, H, size, dh), dtype=np.int8 if int8 else new.dtype)
+        if int8:
+            cache[name + "_scale"] = np.zeros((B, H, size, 1), dtype=new.dtype)
+    if int8:
+        codes, scale = quantize_rows(new)
+        every = np.concatenate([dequantize_rows(cache[name], cache[name + "_scale"]), dequantize_rows(codes, scale)], 2)
+        cache[name][:, :, slots], cache[name + "_scale"][:, :, slots] = codes[:, :, keep], scale[:, :, keep]
+        return every
+    every = np.concatenate([cache[name], new], axis=2)  # (B, Hkv, size + Tn, dh)
+    cache[name][:, :, slots] = new[:, :, keep]
+    return every
+
+
+def cache_nbytes(cache: dict) -> int:
+    """The bytes a GPT cache (`GPT.forward_step`'s dict) holds in keys, values and scales: the written positions of a
+    growing cache (its views), every slot of a rolling one."""
+    names = ("k", "v", "k_scale", "v_scale")
+    return sum(layer[n].nbytes for layer in cache.get("layers", []) for n in names if n in layer)

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from tfm_common.rolling_cache import check_window_options, window_allowed
 from tfm_common.validate import behind_door, check_mask_axes, check_size
 
 from .module import FLOAT_DTYPES
 
-__all__ = ["padding_mask", "causal_mask", "decoder_mask", "check_mask", "check_qkv"]
+__all__ = ["padding_mask", "causal_mask", "band_mask", "decoder_mask", "check_mask", "check_qkv"]
 
 
 def padding_mask(tokens: np.ndarray, pad_id: int) -> np.ndarray:
@@ -46,6 +47,23 @@ def causal_mask(T: int) -> np.ndarray:
     if T < 1:
         raise ValueError(f"causal_mask: T must be positive, got {T}")
     return np.tril(np.ones((T, T), dtype=bool))[None, None]
+
+
+def band_mask(T: int, window: int, sinks: int = 0) -> np.ndarray:
+    """(1, 1, T, T) bool, a causal band: query i may attend to keys i - window + 1 .. i (the last `window`
+    positions, itself included) and to the first `sinks` positions (chapter 21c). window >= T is `causal_mask(T)`."""
+    i = np.arange(T)
+    return window_allowed(i[:, None], i[None, :], window, sinks)[None, None]  # k <= q, q - k < window or k < sinks
+
+
+def _check_band_mask(T, window, sinks=0) -> None:
+    check_size("band_mask", "T", T)
+    if window is None:
+        raise TypeError("band_mask: window expected an int >= 1, got None")
+    check_window_options("band_mask", window, sinks)
+
+
+band_mask = behind_door(band_mask, _check_band_mask)
 
 
 def decoder_mask(tgt_tokens: np.ndarray, pad_id: int) -> np.ndarray:

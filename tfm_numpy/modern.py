@@ -23,7 +23,7 @@ from tfm_common.validate import (
 )
 
 from .attention import AttentionImpl, check_attn_impl
-from .kv_cache import cache_append
+from .kv_cache import ring_store, store_kv
 from .layers import Dropout, Linear, norm_scaled
 from .masks import check_mask
 from .module import Module, Parameter, as_rng, at_the_door, check_dtype, check_input
@@ -31,6 +31,7 @@ from .module import Module, Parameter, as_rng, at_the_door, check_dtype, check_i
 __all__ = [
     "RMSNorm",
     "rope_angles",
+    "rope_angles_at",
     "apply_rope",
     "RotaryEmbedding",
     "swiglu_hidden_size",
@@ -102,6 +103,16 @@ def rope_angles(max_len: int, d_head: int, base: float = 10000.0, dtype=np.float
     base = check_real("rope_angles", "base", base, low=1.0)
     omega = base ** (-np.arange(0, d_head, 2, dtype=np.float64) / d_head)  # (d_head / 2,)
     angle = np.arange(max_len, dtype=np.float64)[:, None] * omega  # (max_len, d_head / 2)
+    dt = check_dtype(dtype)
+    return np.cos(angle).astype(dt), np.sin(angle).astype(dt)
+
+
+def rope_angles_at(positions, d_head: int, base: float = 10000.0, dtype=np.float32) -> tuple[np.ndarray, np.ndarray]:
+    """(cos, sin), each (len(positions), d_head / 2): `rope_angles`' rows for any positions, max_len or beyond (the
+    rolling cache of chapter 21c rotates keys past the table). The same float64 products, so a row equals the table's
+    row bit for bit."""
+    omega = float(base) ** (-np.arange(0, d_head, 2, dtype=np.float64) / d_head)  # (d_head / 2,)
+    angle = np.asarray(positions, dtype=np.float64)[:, None] * omega
     dt = check_dtype(dtype)
     return np.cos(angle).astype(dt), np.sin(angle).astype(dt)
 
@@ -318,11 +329,27 @@ class GroupedQueryAttention(AttentionImpl, GroupedQueryAttentionDoor, Module):
         (B, Hkv, T, dh) hold the earlier positions' keys and values (rotated at their positions); the new ones, rotated
         at T.., are appended in place (`cache_append`). `mask` covers all keys so far, (B or 1, 1, Tn, T + Tn)."""
         q, k, v = self._project(x, cache["k"].shape[2] if "k" in cache else 0)
-        k = cache_append(cache, "k", k, axis=2)  # (B, Hkv, T + Tn, dh): the un-repeated heads are what is stored
-        v = cache_append(cache, "v", v, axis=2)
+        k, v = store_kv(cache, k, v)  # (B, Hkv, T + Tn, dh): the un-repeated heads are stored (cache_append)
         n_rep = self.n_heads // self.n_kv_heads
         ctx = self._attend(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), mask)  # (B, H, Tn, dh)
         self._cache = None  # nothing for a backward: one after this step is an error, not a wrong gradient
+        return self.out_proj(self._merge(ctx))
+
+    def forward_rolling(self, x, cache: dict, mask, angles, keep, slots) -> np.ndarray:
+        """`forward_step` with the rolling cache of a sliding window (chapter 21c; inference only): x (B, Tn, d) at
+        positions whose RoPE `angles` (cos, sin) (Tn, d_head / 2) are given (None without RoPE: any position, past
+        max_len too); the queries attend to the cache's slots and the new keys, under `mask` (1, 1, Tn, slots + Tn);
+        then the new positions that stay needed (`keep`) are written into their `slots` (`ring_store`)."""
+        q = self._split(self.q_proj(x), self.n_heads)
+        k = self._split(self.k_proj(x), self.n_kv_heads)
+        v = self._split(self.v_proj(x), self.n_kv_heads)
+        if angles is not None:
+            q, k = apply_rope(q, *angles), apply_rope(k, *angles)
+        size = mask.shape[-1] - x.shape[1]  # the cache's slots
+        k, v = ring_store(cache, "k", k, keep, slots, size), ring_store(cache, "v", v, keep, slots, size)
+        n_rep = self.n_heads // self.n_kv_heads
+        ctx = self._attend(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), mask)  # (B, H, Tn, dh)
+        self._cache = None
         return self.out_proj(self._merge(ctx))
 
 

@@ -6,24 +6,33 @@ from __future__ import annotations
 import math
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 from torch import nn
 
 from tfm_common.config import own_init
-from tfm_common.model_doors import GPTBlockDoor, GPTDoor
+from tfm_common.model_doors import GPTBlockDoor, GPTDoor, WindowedGPTDoor
+from tfm_common.rolling_cache import EMPTY_SLOT, kept_positions, rolling_slots, window_allowed
 from tfm_common.sampling import sample_next
 from tfm_common.training import eval_mode
 
 from .attention import check_attn_impl, use_attention
 from .layers import Dropout, Embedding, LayerNorm, Linear
-from .masks import causal_mask
-from .modern import GroupedQueryAttention, RMSNorm, RotaryEmbedding, SwiGLUFeedForward, swiglu_hidden_size
+from .masks import band_mask, causal_mask
+from .modern import (
+    GroupedQueryAttention,
+    RMSNorm,
+    RotaryEmbedding,
+    SwiGLUFeedForward,
+    rope_angles_at,
+    swiglu_hidden_size,
+)
 from .module import Module, as_generator, check_dtype, check_indices, scale_
 from .positional import LearnedPositionalEmbedding, PositionalEncoding
 from .sublayers import PositionwiseFeedForward
 from .transformer import xavier_uniform_
 
-__all__ = ["GPTBlock", "GPT"]
+__all__ = ["GPTBlock", "GPT", "WindowedGPT"]
 
 
 def make_norm(norm: str, d_model: int, dtype) -> nn.Module:
@@ -67,6 +76,10 @@ class GPTBlock(GPTBlockDoor, Module):
         x = x + self.dropout1(self.self_attn.forward_step(self.norm1(x), cache, mask))
         return x + self.dropout2(self.ff(self.norm2(x)))
 
+    def forward_rolling(self, x: torch.Tensor, cache: dict, mask: torch.Tensor, angles, keep, slots) -> torch.Tensor:
+        x = x + self.dropout1(self.self_attn.forward_rolling(self.norm1(x), cache, mask, angles, keep, slots))
+        return x + self.dropout2(self.ff(self.norm2(x)))
+
 
 class GPT(GPTDoor, Module):
     """The decoder-only Transformer, twin of tfm_numpy.GPT (see its docstring for the options and initialization).
@@ -100,16 +113,25 @@ class GPT(GPTDoor, Module):
 
     @torch.no_grad()
     def generate(
-        self, tokens, max_new_tokens: int, temperature: float = 1.0, top_k=None, rng=None, use_cache=True, *, top_p=None
+        self,
+        tokens,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k=None,
+        rng=None,
+        use_cache=True,
+        *,
+        top_p=None,
+        kv_dtype="float",
     ):
         """The prompt (B, T0) followed by max_new_tokens sampled tokens, as tfm_numpy.GPT.generate. `rng` is a
         numpy Generator or an int seed, as there: the uniforms come from NumPy in both tracks (the last position's
         logits, B x V numbers per step, are handed to tfm_common's sampler in float64), hence the same tokens."""
         n, temperature, top_k, rng, top_p = self._check_generate(tokens, max_new_tokens, temperature, top_k, rng,
-                                                                 use_cache, top_p)  # fmt: skip
+                                                                 use_cache, top_p, kv_dtype)  # fmt: skip
         out = tokens.to(torch.long)
         with eval_mode(self):
-            cache = {} if use_cache else None
+            cache = self.new_cache(kv_dtype) if use_cache else None
             for i in range(n):
                 if cache is None:
                     logits = self.forward(out)[:, -1]
@@ -121,6 +143,41 @@ class GPT(GPTDoor, Module):
         return out
 
 
+class WindowedGPT(WindowedGPTDoor, GPT):
+    """The GPT with sliding-window attention and a rolling cache, twin of tfm_numpy.WindowedGPT (see its docstring):
+    `GPT(..., window=w, sinks=s)` builds one."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self._embed(tokens, 0)  # (B, T, d)
+        mask = band_mask(tokens.shape[1], self.window, self.sinks, device=tokens.device)  # (1, 1, T, T)
+        for layer in self.layers:
+            x = layer(x, mask)
+        return self.output_projection(self.norm(x))  # (B, T, V)
+
+    def forward_step(self, tokens: torch.Tensor, cache: dict) -> torch.Tensor:
+        """The logits (B, Tn, V) of new tokens given the rolling cache of the earlier calls (layout of tfm_numpy's;
+        cache["slots"] a NumPy array)."""
+        t0, Tn, size = cache.get("length", 0), tokens.shape[1], self.sinks + self.window
+        new = np.arange(t0, t0 + Tn)
+        slots = cache.get("slots", np.full(size, EMPTY_SLOT))
+        keys = np.concatenate([slots, new])
+        mask = torch.from_numpy(window_allowed(new[:, None], keys[None, :], self.window, self.sinks)[None, None])
+        keep = kept_positions(new, t0 + Tn - 1, self.window, self.sinks)
+        where = rolling_slots(new[keep], self.window, self.sinks)
+        rotary = self.layers[0].self_attn.rotary
+        angles = None
+        if rotary is not None:
+            angles = [a.to(tokens.device) for a in rope_angles_at(new, rotary.d_head, rotary.base, rotary.cos.dtype)]
+        x = self._embed(tokens, t0)
+        layers = cache.setdefault("layers", [{} for _ in self.layers])
+        for layer, layer_cache in zip(self.layers, layers, strict=True):
+            x = layer.forward_rolling(x, layer_cache, mask.to(tokens.device), angles, keep, where)
+        slots = slots.copy()
+        slots[where] = new[keep]
+        cache["slots"], cache["length"] = slots, t0 + Tn
+        return self.output_projection(self.norm(x))
+
+
 # the building blocks of the constructor written in tfm_common.model_doors (GPTDoor.__init__)
 GPT._parts = SimpleNamespace(
     check_dtype=check_dtype, as_rng=as_generator, check_attn_impl=check_attn_impl, use_attention=use_attention,
@@ -129,3 +186,4 @@ GPT._parts = SimpleNamespace(
     ModuleList=nn.ModuleList, make_norm=make_norm, Linear=Linear, xavier_uniform_=xavier_uniform_,
 )  # fmt: skip
 own_init(GPT)  # a wrong argument is refused in the name of GPT, not of its door
+GPT._windowed = WindowedGPT  # what GPT(..., window=w) builds (GPTDoor.__new__)

@@ -7,13 +7,15 @@ A mask gives every axis of the scores (sizes 1 to broadcast) or is a (Tk,) mask 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from tfm_common.rolling_cache import check_window_options, window_allowed
 from tfm_common.validate import behind_door, check_mask_axes, check_size
 
 from .module import autocast_dtype
 
-__all__ = ["padding_mask", "causal_mask", "decoder_mask", "check_mask", "check_qkv"]
+__all__ = ["padding_mask", "causal_mask", "band_mask", "decoder_mask", "check_mask", "check_qkv"]
 
 
 def padding_mask(tokens: torch.Tensor, pad_id: int) -> torch.Tensor:
@@ -43,6 +45,22 @@ def causal_mask(T: int, device=None) -> torch.Tensor:
     if T < 1:
         raise ValueError(f"causal_mask: T must be positive, got {T}")
     return torch.ones(T, T, dtype=torch.bool, device=device).tril()[None, None]
+
+
+def band_mask(T: int, window: int, sinks: int = 0, device=None) -> torch.Tensor:
+    """(1, 1, T, T) torch.bool, a causal band of `window` keys (and the first `sinks`), as tfm_numpy.band_mask."""
+    i = np.arange(T)
+    return torch.from_numpy(window_allowed(i[:, None], i[None, :], window, sinks)[None, None]).to(device)
+
+
+def _check_band_mask(T, window, sinks=0, device=None) -> None:
+    check_size("band_mask", "T", T)
+    if window is None:
+        raise TypeError("band_mask: window expected an int >= 1, got None")
+    check_window_options("band_mask", window, sinks)
+
+
+band_mask = behind_door(band_mask, _check_band_mask)
 
 
 def decoder_mask(tgt_tokens: torch.Tensor, pad_id: int) -> torch.Tensor:

@@ -13,7 +13,7 @@ from tfm_common.config import own_init
 from tfm_common.validate import check_positions, check_real, check_rope_tables, check_size, check_sizes
 
 from .attention import AttentionImpl, check_attn_impl
-from .kv_cache import cache_append
+from .kv_cache import ring_store, store_kv
 from .layers import Dropout, Linear, norm_scaled
 from .masks import check_mask
 from .module import Module, as_generator, at_the_door, autocast_dtype, check_dtype, check_input
@@ -21,6 +21,7 @@ from .module import Module, as_generator, at_the_door, autocast_dtype, check_dty
 __all__ = [
     "RMSNorm",
     "rope_angles",
+    "rope_angles_at",
     "apply_rope",
     "RotaryEmbedding",
     "swiglu_hidden_size",
@@ -61,6 +62,15 @@ def rope_angles(max_len: int, d_head: int, base: float = 10000.0, dtype=None) ->
     base = check_real("rope_angles", "base", base, low=1.0)
     omega = base ** (-torch.arange(0, d_head, 2, dtype=torch.float64) / d_head)  # (d_head / 2,)
     angle = torch.arange(max_len, dtype=torch.float64)[:, None] * omega  # (max_len, d_head / 2)
+    dt = check_dtype(dtype)
+    return torch.cos(angle).to(dt), torch.sin(angle).to(dt)
+
+
+def rope_angles_at(positions, d_head: int, base: float = 10000.0, dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) (len(positions), d_head / 2) for any positions, as tfm_numpy.rope_angles_at: `rope_angles`' rows,
+    bit for bit, past max_len too. `positions` a sequence or array of ints."""
+    omega = float(base) ** (-torch.arange(0, d_head, 2, dtype=torch.float64) / d_head)  # (d_head / 2,)
+    angle = torch.as_tensor(positions, dtype=torch.float64)[:, None] * omega
     dt = check_dtype(dtype)
     return torch.cos(angle).to(dt), torch.sin(angle).to(dt)
 
@@ -181,7 +191,18 @@ class GroupedQueryAttention(AttentionImpl, GroupedQueryAttentionDoor, Module):
     def forward_step(self, x: torch.Tensor, cache: dict, mask: torch.Tensor | None = None) -> torch.Tensor:
         """As tfm_numpy's: cache["k"], cache["v"] (B, Hkv, T, dh) grow by the new positions, in place."""
         q, k, v = self._project(x, cache["k"].shape[2] if "k" in cache else 0)
-        k, v = cache_append(cache, "k", k, axis=2), cache_append(cache, "v", v, axis=2)  # (B, Hkv, T + Tn, dh)
+        k, v = store_kv(cache, k, v)  # (B, Hkv, T + Tn, dh): as floats (int8 codes in an int8 cache)
+        return self.out_proj(self._merge(self._attend(q, k, v, mask)))
+
+    def forward_rolling(self, x, cache: dict, mask, angles, keep, slots) -> torch.Tensor:
+        """`forward_step` with the rolling cache of a sliding window, as tfm_numpy's (`ring_store`)."""
+        q = self._split(self.q_proj(x), self.n_heads)
+        k = self._split(self.k_proj(x), self.n_kv_heads)
+        v = self._split(self.v_proj(x), self.n_kv_heads)
+        if angles is not None:
+            q, k = apply_rope(q, *angles), apply_rope(k, *angles)
+        size = mask.shape[-1] - x.shape[1]
+        k, v = ring_store(cache, "k", k, keep, slots, size), ring_store(cache, "v", v, keep, slots, size)
         return self.out_proj(self._merge(self._attend(q, k, v, mask)))
 
     # The key/value heads come in unrepeated (B, Hkv, Tk, dh): repeated to the query heads for the kernels of
