@@ -10,7 +10,7 @@ import io
 import json
 from pathlib import Path
 
-from tfm_numpy.exercises import EXERCISES
+from tfm_numpy.exercises import EXERCISES, check
 
 CHAPTERS = Path(__file__).resolve().parents[1] / "chapters"
 
@@ -43,3 +43,12 @@ def solution(name: str):
 def skeleton(name: str):
     """The skeleton of exercise `name`, as the reader finds it."""
     return _namespace(EXERCISES[name].chapter, "exercise-skeleton")[name]
+
+
+def fails(name: str, attempt, *texts: str):
+    """Grade a wrong attempt: it must fail, and some failed line must contain each of `texts`."""
+    result = check(name, attempt, quiet=True)
+    assert not result.passed, result.report()
+    for text in texts:
+        assert result.failed(text), (text, result.report())
+    return result

@@ -5,17 +5,9 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from helpers_exercises import solution
+from helpers_exercises import fails, solution
 
 from tfm_numpy.exercises import check
-
-
-def _fails(name, attempt, *texts):
-    result = check(name, attempt, quiet=True)
-    assert not result.passed, result.report()
-    for text in texts:
-        assert result.failed(text), (text, result.report())
-    return result
 
 
 def _t(a):
@@ -54,21 +46,21 @@ def _sdpa_backward(dout, q, k, v, w, *, subtract=True):
 
 
 def test_attention_forward_without_the_scale():
-    result = _fails(
+    result = fails(
         "attention_forward", lambda q, k, v, mask=None: _attention(q, k, v, mask, scale=False), "no mask, Tq=4 != Tk=6"
     )
     assert result.failed("q k^T / sqrt(d_k)")
 
 
 def test_attention_forward_ignores_the_mask():
-    result = _fails("attention_forward", lambda q, k, v, mask=None: _attention(q, k, v), "padding mask (B, 1, 1, Tk)")
+    result = fails("attention_forward", lambda q, k, v, mask=None: _attention(q, k, v), "padding mask (B, 1, 1, Tk)")
     assert result.failed("mask True = may attend, False = hidden") and result.failed("causal mask (1, 1, T, T)")
     assert not result.failed("no mask")
 
 
 def test_attention_forward_mask_with_the_opposite_meaning():
     # torch.nn.MultiheadAttention's boolean mask: True = may NOT attend
-    result = _fails(
+    result = fails(
         "attention_forward", lambda q, k, v, mask=None: _attention(q, k, v, None if mask is None else ~mask),
         "padding mask (B, 1, 1, Tk)", "causal mask (1, 1, T, T)", "the opposite of torch.nn.MultiheadAttention",
     )  # fmt: skip
@@ -76,7 +68,7 @@ def test_attention_forward_mask_with_the_opposite_meaning():
 
 
 def test_attention_forward_inf_fill_gives_nan_on_an_empty_row():
-    result = _fails(
+    result = fails(
         "attention_forward",
         lambda q, k, v, mask=None: _attention(q, k, v, mask, fill=-np.inf),
         "fully masked rows (decoder mask, left padding): output: nan at index",
@@ -90,7 +82,7 @@ def test_attention_forward_large_fill_makes_an_empty_row_uniform():
     def attempt(q, k, v, mask=None):
         return _attention(q, k, v, mask, fill=-1e9)
 
-    result = _fails("attention_forward", attempt, "fully masked rows (decoder mask, left padding): output: off by")
+    result = fails("attention_forward", attempt, "fully masked rows (decoder mask, left padding): output: off by")
     assert len(result.failures) == 2
 
 
@@ -102,7 +94,7 @@ def test_attention_forward_without_the_max_shift_overflows_on_large_scores():
         w = e / np.maximum(e.sum(axis=-1, keepdims=True), 1e-300)
         return w @ v, w
 
-    result = _fails("attention_forward", attempt, "large scores (q, k times 30)", "subtract each row's maximum")
+    result = fails("attention_forward", attempt, "large scores (q, k times 30)", "subtract each row's maximum")
     assert all(f.check.startswith("large scores") for f in result.failures)
 
 
@@ -111,7 +103,7 @@ def test_attention_forward_float32_becomes_float64():
         w = _softmax(q @ _t(k) / np.sqrt(q.shape[-1]), mask)
         return w @ v, w
 
-    result = _fails("attention_forward", attempt, "float32, padding mask: output: dtype float64, expected float32")
+    result = fails("attention_forward", attempt, "float32, padding mask: output: dtype float64, expected float32")
     assert not result.failed("no mask")
 
 
@@ -120,11 +112,11 @@ def test_attention_forward_only_four_dims():
         w = _softmax(q @ k.transpose(0, 1, 3, 2) / math.sqrt(q.shape[-1]), mask)
         return w @ v, w
 
-    _fails("attention_forward", attempt, "3-D inputs (B, T, d), no head axis: raised ValueError")
+    fails("attention_forward", attempt, "3-D inputs (B, T, d), no head axis: raised ValueError")
 
 
 def test_attention_forward_returns_only_the_output():
-    _fails("attention_forward", lambda q, k, v, mask=None: _attention(q, k, v, mask)[0], "returned 1 value")
+    fails("attention_forward", lambda q, k, v, mask=None: _attention(q, k, v, mask)[0], "returned 1 value")
 
 
 # --- attention_backward --------------------------------------------------------------------------------------------
@@ -139,7 +131,7 @@ def test_attention_backward_missing_the_subtraction_term():
     def attempt(dout, q, k, v, mask=None):
         return _sdpa_backward(dout, q, k, v, _safe_weights(q, k, mask), subtract=False)
 
-    result = _fails("attention_backward", attempt, "no mask, Tq=4 != Tk=6: dq: off by", "rowsum(dP * P)")
+    result = fails("attention_backward", attempt, "no mask, Tq=4 != Tk=6: dq: off by", "rowsum(dP * P)")
     assert result.failed("dk: off by") and not result.failed("dv")
 
 
@@ -148,7 +140,7 @@ def test_attention_backward_dk_transposed():
         dq, dk, dv = _sdpa_backward(dout, q, k, v, _safe_weights(q, k, mask))
         return dq, _t(dk), dv  # q^T dS: (..., d_k, Tk)
 
-    _fails("attention_backward", attempt, "dk: shape (2, 3, 8, 6), expected (2, 3, 6, 8)", "shaped like k")
+    fails("attention_backward", attempt, "dk: shape (2, 3, 8, 6), expected (2, 3, 6, 8)", "shaped like k")
 
 
 def test_attention_backward_without_the_scale():
@@ -157,7 +149,7 @@ def test_attention_backward_without_the_scale():
         s = math.sqrt(q.shape[-1])
         return dq * s, dk * s, dv
 
-    result = _fails("attention_backward", attempt, "dq: off by", "dk: off by")
+    result = fails("attention_backward", attempt, "dq: off by", "dk: off by")
     assert not result.failed("dv")
 
 
@@ -166,7 +158,7 @@ def test_attention_backward_dv_without_the_transpose():
         dq, dk, _ = _sdpa_backward(dout, q, k, v, _safe_weights(q, k, mask))
         return dq, dk, _safe_weights(q, k, mask) @ dout  # P dO instead of P^T dO: runs when Tq = Tk
 
-    result = _fails("attention_backward", attempt, "padding mask (B, 1, 1, Tk): dv: off by", "dv = P^T dout")
+    result = fails("attention_backward", attempt, "padding mask (B, 1, 1, Tk): dv: off by", "dv = P^T dout")
     assert result.failed("no mask, Tq=4 != Tk=6: raised ValueError")  # P dO does not fit when Tq != Tk
 
 
@@ -174,7 +166,7 @@ def test_attention_backward_nan_on_an_empty_row():
     def attempt(dout, q, k, v, mask=None):  # recomputes the weights with a -inf fill
         return _sdpa_backward(dout, q, k, v, _attention(q, k, v, mask, fill=-np.inf)[1])
 
-    result = _fails("attention_backward", attempt, "fully masked rows (decoder mask, left padding): dq: nan", "not NaN")
+    result = fails("attention_backward", attempt, "fully masked rows (decoder mask, left padding): dq: nan", "not NaN")
     assert all(f.check.startswith("fully masked rows") for f in result.failures)
 
 
@@ -200,7 +192,7 @@ def test_split_heads_reshape_without_transpose():
             raise ValueError("D % n_heads")
         return x.reshape(B, n_heads, T, D // n_heads)
 
-    result = _fails("split_heads", attempt, "(B, T, D) = (2, 5, 12), 3 heads: off by", "a bare reshape")
+    result = fails("split_heads", attempt, "(B, T, D) = (2, 5, 12), 3 heads: off by", "a bare reshape")
     assert not result.failed("one head") and not result.failed("length 1")  # invisible with one head or one token
 
 
@@ -209,7 +201,7 @@ def test_split_heads_does_not_refuse():
         B, T, D = x.shape
         return x.reshape(B, -1, n_heads, D // n_heads).transpose(0, 2, 1, 3)
 
-    result = _fails("split_heads", attempt, "D = 12 with 5 heads: accepted it silently", "divisible by n_heads")
+    result = fails("split_heads", attempt, "D = 12 with 5 heads: accepted it silently", "divisible by n_heads")
     assert len(result.failures) == 1
 
 
@@ -217,7 +209,7 @@ def test_split_heads_wrong_transpose():
     def attempt(x, n_heads):  # (B, T, H, d) -> (B, H, d, T)
         return _split(x, n_heads).swapaxes(-1, -2)
 
-    _fails("split_heads", attempt, "shape (2, 3, 4, 5), expected (2, 3, 5, 4)")
+    fails("split_heads", attempt, "shape (2, 3, 4, 5), expected (2, 3, 5, 4)")
 
 
 def test_split_heads_interleaved_channels():
@@ -227,7 +219,7 @@ def test_split_heads_interleaved_channels():
             raise ValueError("D % n_heads")
         return x.reshape(B, T, D // n_heads, n_heads).transpose(0, 3, 1, 2)
 
-    result = _fails("split_heads", attempt, "3 heads: off by")
+    result = fails("split_heads", attempt, "3 heads: off by")
     assert not result.failed("one head")
 
 
@@ -236,7 +228,7 @@ def test_merge_heads_reshape_without_transpose():
         B, H, T, d = x.shape
         return x.reshape(B, T, H * d)
 
-    result = _fails("merge_heads", attempt, "(B, H, T, d) = (2, 3, 5, 4): off by", "a bare reshape mixes tokens")
+    result = fails("merge_heads", attempt, "(B, H, T, d) = (2, 3, 5, 4): off by", "a bare reshape mixes tokens")
     assert result.failed("inverse of the library's split")
     assert not result.failed("one head") and not result.failed("length 1")
 
@@ -246,11 +238,11 @@ def test_merge_heads_wrong_axis_order():
         B, H, T, d = x.shape
         return x.transpose(0, 2, 3, 1).reshape(B, T, H * d)
 
-    _fails("merge_heads", attempt, "(B, H, T, d) = (2, 3, 5, 4): off by")
+    fails("merge_heads", attempt, "(B, H, T, d) = (2, 3, 5, 4): off by")
 
 
 def test_merge_heads_forgets_the_reshape():
-    _fails("merge_heads", lambda x: x.transpose(0, 2, 1, 3), "shape (2, 5, 3, 4), expected (2, 5, 12)")
+    fails("merge_heads", lambda x: x.transpose(0, 2, 1, 3), "shape (2, 5, 3, 4), expected (2, 5, 12)")
 
 
 def test_merge_heads_float32_upcast():
@@ -258,7 +250,7 @@ def test_merge_heads_float32_upcast():
         B, H, T, d = x.shape
         return np.concatenate([x[:, h] for h in range(H)], axis=-1).astype(np.float64)
 
-    result = _fails("merge_heads", attempt, "float32: dtype float64, expected float32")
+    result = fails("merge_heads", attempt, "float32: dtype float64, expected float32")
     assert len(result.failures) == 1
 
 
@@ -302,7 +294,7 @@ def test_sinusoidal_positions_div_term_form_passes():
 
 
 def test_sinusoidal_positions_halves_concatenated():
-    result = _fails(
+    result = fails(
         "sinusoidal_positions",
         lambda max_len, d_model, dtype=np.float32: _table(max_len, d_model, dtype, interleave=False),
         "float64, (max_len, d_model) = (50, 16): off by", "the pairs interleave",
@@ -311,7 +303,7 @@ def test_sinusoidal_positions_halves_concatenated():
 
 
 def test_sinusoidal_positions_exponent_i_instead_of_2i():
-    result = _fails(
+    result = fails(
         "sinusoidal_positions",
         lambda max_len, d_model, dtype=np.float32: _table(max_len, d_model, dtype, two_i=False),
         "(50, 16): off by", "10000^(2i/d_model)",
@@ -320,7 +312,7 @@ def test_sinusoidal_positions_exponent_i_instead_of_2i():
 
 
 def test_sinusoidal_positions_base_1000():
-    _fails(
+    fails(
         "sinusoidal_positions",
         lambda max_len, d_model, dtype=np.float32: _table(max_len, d_model, dtype, base=1000.0),
         "(50, 16): off by",
@@ -328,7 +320,7 @@ def test_sinusoidal_positions_base_1000():
 
 
 def test_sinusoidal_positions_odd_d_model_accepted():
-    result = _fails(
+    result = fails(
         "sinusoidal_positions",
         lambda max_len, d_model, dtype=np.float32: _table(max_len, d_model, dtype, refuse=False),
         "odd d_model = 7: accepted it silently", "must be even",
@@ -337,7 +329,7 @@ def test_sinusoidal_positions_odd_d_model_accepted():
 
 
 def test_sinusoidal_positions_ignores_the_dtype():
-    result = _fails(
+    result = fails(
         "sinusoidal_positions",
         lambda max_len, d_model, dtype=np.float32: _table(max_len, d_model, np.float64),
         "default dtype float32 (the library's), (64, 32): dtype float64, expected float32",

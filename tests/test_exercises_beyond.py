@@ -7,19 +7,10 @@ import math
 
 import numpy as np
 import pytest
-from helpers_exercises import solution
+from helpers_exercises import fails, solution
 
 import tfm_numpy as tnp
 from tfm_numpy.exercises import check
-
-
-def _fails(name, attempt, *texts):
-    result = check(name, attempt, quiet=True)
-    assert not result.passed, result.report()
-    for text in texts:
-        assert result.failed(text), (text, result.report())
-    return result
-
 
 # --- online_softmax_attention (chapter 15b) --------------------------------------------------------------------------
 
@@ -51,7 +42,7 @@ def test_online_softmax_no_rescale():
     def attempt(q, k, v, block_size):
         return _online(q, k, v, block_size, rescale_l=False, rescale_acc=False)
 
-    result = _fails("online_softmax_attention", attempt, "block_size 4 divides T = 12: out: off by", "rescale BOTH")
+    result = fails("online_softmax_attention", attempt, "block_size 4 divides T = 12: out: off by", "rescale BOTH")
     assert not result.failed("block_size 32, more than T = 12")  # one block: nothing to rescale, right by chance
 
 
@@ -59,7 +50,7 @@ def test_online_softmax_rescales_l_but_not_the_output():
     def attempt(q, k, v, block_size):
         return _online(q, k, v, block_size, rescale_acc=False)
 
-    result = _fails("online_softmax_attention", attempt, "block_size 5 does not divide T = 12: out: off by")
+    result = fails("online_softmax_attention", attempt, "block_size 5 does not divide T = 12: out: off by")
     assert result.failed("rescale BOTH the running sum l and the running output acc")
     assert not result.failed(": lse")  # the sum is right: only the output is off
 
@@ -68,7 +59,7 @@ def test_online_softmax_without_the_running_max_overflows_on_large_scores():
     def attempt(q, k, v, block_size):
         return _online(q, k, v, block_size, use_max=False)
 
-    result = _fails("online_softmax_attention", attempt, "large scores (about 1e3)", "subtract the running max")
+    result = fails("online_softmax_attention", attempt, "large scores (about 1e3)", "subtract the running max")
     assert [f.check for f in result.failures] == [
         "large scores (about 1e3), block_size 3: out",
         "large scores (about 1e3), block_size 3: lse",
@@ -79,7 +70,7 @@ def test_online_softmax_drops_the_last_short_block():
     def attempt(q, k, v, block_size):
         return _online(q, k, v, block_size, last_block=False)
 
-    result = _fails("online_softmax_attention", attempt, "block_size 5 does not divide T = 12")
+    result = fails("online_softmax_attention", attempt, "block_size 5 does not divide T = 12")
     assert not result.failed("block_size 4 divides T = 12")
 
 
@@ -90,7 +81,7 @@ def test_online_softmax_forms_the_whole_score_matrix():
         m = s.max(axis=-1, keepdims=True)
         return out, (m + np.log(np.exp(s - m).sum(axis=-1, keepdims=True)))[..., 0]
 
-    result = _fails("online_softmax_attention", attempt, "no (Tq, Tk) array", "walk the keys in blocks")
+    result = fails("online_softmax_attention", attempt, "no (Tq, Tk) array", "walk the keys in blocks")
     assert len(result.failures) == 1
 
 
@@ -98,14 +89,14 @@ def test_online_softmax_lse_without_the_max():
     def attempt(q, k, v, block_size):  # log(l) alone: the log-sum-exp of the scores shifted by the running max
         return _online(q, k, v, block_size, lse_m=False)
 
-    _fails("online_softmax_attention", attempt, "lse: off by", "lse = m + log(l)")
+    fails("online_softmax_attention", attempt, "lse: off by", "lse = m + log(l)")
 
 
 def test_online_softmax_float32_upcast():
     def attempt(q, k, v, block_size):
         return _online(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), block_size)
 
-    _fails("online_softmax_attention", attempt, "float32, block_size 5: out: dtype float64, expected float32")
+    fails("online_softmax_attention", attempt, "float32, block_size 5: out: dtype float64, expected float32")
 
 
 # --- rms_norm_forward / rms_norm_backward (chapter 18) ---------------------------------------------------------------
@@ -120,32 +111,32 @@ def test_rms_norm_forward_subtracts_the_mean():
         c = x - x.mean(axis=-1, keepdims=True)
         return gamma * c / np.sqrt(_ms(c) + eps)
 
-    _fails("rms_norm_forward", attempt, "a constant row (x = 3 everywhere): off by", "that is LayerNorm")
+    fails("rms_norm_forward", attempt, "a constant row (x = 3 everywhere): off by", "that is LayerNorm")
 
 
 def test_rms_norm_forward_eps_outside_the_sqrt():
     def attempt(x, gamma, eps):
         return gamma * x / (np.sqrt(_ms(x)) + eps)
 
-    _fails("rms_norm_forward", attempt, "small inputs (|x| about 1e-2), eps = 1e-4: off by", "eps goes inside")
+    fails("rms_norm_forward", attempt, "small inputs (|x| about 1e-2), eps = 1e-4: off by", "eps goes inside")
 
 
 def test_rms_norm_forward_root_of_the_sum():
     def attempt(x, gamma, eps):  # the norm, not the root mean square
         return gamma * x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + eps)
 
-    _fails("rms_norm_forward", attempt, "2-D input (N, d): off by", "sqrt(mean(x^2) + eps)")
+    fails("rms_norm_forward", attempt, "2-D input (N, d): off by", "sqrt(mean(x^2) + eps)")
 
 
 def test_rms_norm_forward_forgets_gamma():
-    _fails("rms_norm_forward", lambda x, gamma, eps: x / np.sqrt(_ms(x) + eps), "3-D input (B, T, d): off by")
+    fails("rms_norm_forward", lambda x, gamma, eps: x / np.sqrt(_ms(x) + eps), "3-D input (B, T, d): off by")
 
 
 def test_rms_norm_forward_float32_upcast():
     def attempt(x, gamma, eps):
         return gamma * x / np.sqrt(_ms(x.astype(np.float64)) + eps)
 
-    _fails("rms_norm_forward", attempt, "float32: dtype float64, expected float32")
+    fails("rms_norm_forward", attempt, "float32: dtype float64, expected float32")
 
 
 def _rms_backward(dy, x, gamma, eps, *, projection=True, mean_term=False, dgamma_axes=None):
@@ -166,7 +157,7 @@ def test_rms_norm_backward_missing_the_projection_term():
     def attempt(dy, x, gamma, eps):
         return _rms_backward(dy, x, gamma, eps, projection=False)
 
-    result = _fails("rms_norm_backward", attempt, "2-D input (N, d): dx: off by", "the projection term")
+    result = fails("rms_norm_backward", attempt, "2-D input (N, d): dx: off by", "the projection term")
     assert not result.failed("dgamma")
 
 
@@ -174,14 +165,14 @@ def test_rms_norm_backward_with_layer_norm_mean_term():
     def attempt(dy, x, gamma, eps):
         return _rms_backward(dy, x, gamma, eps, mean_term=True)
 
-    _fails("rms_norm_backward", attempt, "3-D input (B, T, d): dx: off by", "no mean term")
+    fails("rms_norm_backward", attempt, "3-D input (B, T, d): dx: off by", "no mean term")
 
 
 def test_rms_norm_backward_dgamma_sums_only_the_first_axis():
     def attempt(dy, x, gamma, eps):
         return _rms_backward(dy, x, gamma, eps, dgamma_axes=0)
 
-    result = _fails("rms_norm_backward", attempt, "3-D input (B, T, d): dgamma: shape (3, 8), expected (8,)")
+    result = fails("rms_norm_backward", attempt, "3-D input (B, T, d): dgamma: shape (3, 8), expected (8,)")
     assert not result.failed("2-D input (N, d)")  # right for (N, d), wrong for (B, T, d)
 
 
@@ -192,11 +183,11 @@ def test_rms_norm_backward_eps_outside_the_sqrt():
         dx = rrms * (dxhat - xhat * np.mean(dxhat * xhat, axis=-1, keepdims=True))
         return dx, (dy * xhat).reshape(-1, x.shape[-1]).sum(axis=0)
 
-    _fails("rms_norm_backward", attempt, "small inputs (|x| about 1e-2), eps = 1e-4: dx: off by", "eps goes inside")
+    fails("rms_norm_backward", attempt, "small inputs (|x| about 1e-2), eps = 1e-4: dx: off by", "eps goes inside")
 
 
 def test_rms_norm_backward_returns_one_gradient():
-    _fails("rms_norm_backward", lambda dy, x, gamma, eps: _rms_backward(dy, x, gamma, eps)[0], "expected 2: dx, dgamma")
+    fails("rms_norm_backward", lambda dy, x, gamma, eps: _rms_backward(dy, x, gamma, eps)[0], "expected 2: dx, dgamma")
 
 
 # --- rope_forward / rope_backward (chapter 18) -----------------------------------------------------------------------
@@ -211,7 +202,7 @@ def test_rope_forward_halves_pairing():
         h = x.shape[-1] // 2
         return np.concatenate(_turn(x[..., :h], x[..., h:], cos, sin), axis=-1)
 
-    result = _fails("rope_forward", attempt, "2-D input (T, d): off by", "interleaved, not the two halves")
+    result = fails("rope_forward", attempt, "2-D input (T, d): off by", "interleaved, not the two halves")
     assert not result.failed("d = 2: a single pair")  # one pair: both conventions agree
 
 
@@ -221,14 +212,14 @@ def test_rope_forward_signs_swapped():
         y[..., 0::2], y[..., 1::2] = _turn(x[..., 0::2], x[..., 1::2], cos, -sin)
         return y
 
-    _fails("rope_forward", attempt, "d = 2: a single pair: off by", "(x0 cos - x1 sin, x0 sin + x1 cos)")
+    fails("rope_forward", attempt, "d = 2: a single pair: off by", "(x0 cos - x1 sin, x0 sin + x1 cos)")
 
 
 def test_rope_forward_concatenates_instead_of_interleaving():
     def attempt(x, cos, sin):  # the right pairs, written back as two halves
         return np.concatenate(_turn(x[..., 0::2], x[..., 1::2], cos, sin), axis=-1)
 
-    result = _fails("rope_forward", attempt, "4-D input (B, H, T, d), positions 4 to 8: off by")
+    result = fails("rope_forward", attempt, "4-D input (B, H, T, d), positions 4 to 8: off by")
     assert not result.failed("d = 2")
 
 
@@ -239,18 +230,18 @@ def test_rope_forward_in_place_uses_the_new_x0():
         x1[...] = x0 * sin + x1 * cos
         return x
 
-    _fails("rope_forward", attempt, "2-D input (T, d): off by")
+    fails("rope_forward", attempt, "2-D input (T, d): off by")
 
 
 def test_rope_forward_float32_tables_upcast():
     def attempt(x, cos, sin):
         return solution("rope_forward")(x.astype(np.float64), cos.astype(np.float64), sin.astype(np.float64))
 
-    _fails("rope_forward", attempt, "float32: dtype float64, expected float32")
+    fails("rope_forward", attempt, "float32: dtype float64, expected float32")
 
 
 def test_rope_backward_rotates_by_plus_the_angle():
-    result = _fails("rope_backward", solution("rope_forward"), "2-D input (T, d): dx: off by", "MINUS the angle")
+    result = fails("rope_backward", solution("rope_forward"), "2-D input (T, d): dx: off by", "MINUS the angle")
     assert len(result.failures) == 5  # every case, float32 included
 
 
@@ -259,19 +250,19 @@ def test_rope_backward_halves_pairing():
         h = dy.shape[-1] // 2
         return np.concatenate(_turn(dy[..., :h], dy[..., h:], cos, -sin), axis=-1)
 
-    result = _fails("rope_backward", attempt, "4-D input (B, H, T, d), positions 4 to 8: dx: off by")
+    result = fails("rope_backward", attempt, "4-D input (B, H, T, d), positions 4 to 8: dx: off by")
     assert not result.failed("d = 2")
 
 
 def test_rope_backward_returns_the_gradient_unturned():
-    _fails("rope_backward", lambda dy, cos, sin: dy.copy(), "T = 1 at position 5: dx: off by", "(2i, 2i+1)")
+    fails("rope_backward", lambda dy, cos, sin: dy.copy(), "T = 1 at position 5: dx: off by", "(2i, 2i+1)")
 
 
 def test_rope_backward_negates_the_cosine_too():
     def attempt(dy, cos, sin):  # turning by pi + angle: both members of the pair flipped
         return solution("rope_forward")(dy, -cos, -sin)
 
-    _fails("rope_backward", attempt, "dx: off by")
+    fails("rope_backward", attempt, "dx: off by")
 
 
 # --- top_p_filter (chapter 17b) -------------------------------------------------------------------------------------
@@ -308,7 +299,7 @@ def test_top_p_excludes_the_token_that_crosses_the_threshold():
     def attempt(logits, top_p):
         return _top_p(logits, top_p, include_crossing=False)
 
-    result = _fails("top_p_filter", attempt, "top_p 0.6: keeps 0.4 and 0.3: off by", "the token that crosses")
+    result = fails("top_p_filter", attempt, "top_p 0.6: keeps 0.4 and 0.3: off by", "the token that crosses")
     assert result.failed("a sure model")  # its only token crosses 0.9 at once: nothing would be left
 
 
@@ -316,14 +307,14 @@ def test_top_p_without_sorting():
     def attempt(logits, top_p):  # the running sum in vocabulary order
         return _top_p(logits, top_p, sort=False)
 
-    _fails("top_p_filter", attempt, "random logits (3, 10), top_p 0.9: off by", "ranked by probability")
+    fails("top_p_filter", attempt, "random logits (3, 10), top_p 0.9: off by", "ranked by probability")
 
 
 def test_top_p_drops_ties_with_the_last_token_kept():
     def attempt(logits, top_p):
         return _top_p(logits, top_p, by_rank=True)
 
-    result = _fails("top_p_filter", attempt, "ties: probabilities (0.4, 0.2, 0.2, 0.2), top_p 0.5: off by")
+    result = fails("top_p_filter", attempt, "ties: probabilities (0.4, 0.2, 0.2, 0.2), top_p 0.5: off by")
     assert result.failed("a set of probabilities, not of ranks") and len(result.failures) == 1
 
 
@@ -331,7 +322,7 @@ def test_top_p_not_renormalized():
     def attempt(logits, top_p):
         return _top_p(logits, top_p, renormalize=False)
 
-    result = _fails("top_p_filter", attempt, "random logits (4, 50), top_p 0.5: off by")
+    result = fails("top_p_filter", attempt, "random logits (4, 50), top_p 0.5: off by")
     assert not result.failed("top_p 1: every token")  # nothing removed: the sum is already 1
 
 
@@ -339,7 +330,7 @@ def test_top_p_accepts_any_top_p():
     def attempt(logits, top_p):
         return _top_p(logits, min(max(top_p, 1e-9), 1.0))
 
-    _fails("top_p_filter", attempt, "top_p = 0.0: accepted it silently", "top_p must be in (0, 1]")
+    fails("top_p_filter", attempt, "top_p = 0.0: accepted it silently", "top_p must be in (0, 1]")
 
 
 # --- patchify (chapter 19a) -----------------------------------------------------------------------------------------
@@ -356,7 +347,7 @@ def test_patchify_reshape_without_transpose():
     def attempt(images, p):  # stripes of p*p consecutive pixels, not squares
         return images.reshape(images.shape[0], -1, images.shape[1] * p * p)
 
-    result = _fails("patchify", attempt, "1 channel, 8 x 8, patch 4 (the digits' shape): off by", "stripes")
+    result = fails("patchify", attempt, "1 channel, 8 x 8, patch 4 (the digits' shape): off by", "stripes")
     assert result.failed("accepted it silently")  # 8 x 6 has 48 = 3 x 16 pixels: the reshape goes through
 
 
@@ -364,7 +355,7 @@ def test_patchify_channel_last():
     def attempt(images, p):  # each patch flattened (p, p, C): the order of an image file, not of a Conv2d weight
         return _patchify(images, p, (0, 2, 4, 3, 5, 1))
 
-    result = _fails("patchify", attempt, "3 channels, 8 x 8, patch 2: off by", "channel first")
+    result = fails("patchify", attempt, "3 channels, 8 x 8, patch 2: off by", "channel first")
     assert not result.failed("1 channel")  # one channel: both orders agree
 
 
@@ -372,7 +363,7 @@ def test_patchify_column_major_patches():
     def attempt(images, p):  # the patches taken top to bottom, then left to right
         return _patchify(images, p, (0, 4, 2, 1, 3, 5))
 
-    _fails("patchify", attempt, "a 4 x 8 image, patch 2: a grid of 2 x 4: off by", "row-major order")
+    fails("patchify", attempt, "a 4 x 8 image, patch 2: a grid of 2 x 4: off by", "row-major order")
 
 
 def test_patchify_drops_the_pixels_that_do_not_fit():
@@ -380,12 +371,12 @@ def test_patchify_drops_the_pixels_that_do_not_fit():
         H, W = images.shape[-2:]
         return _patchify(images[..., : H - H % p, : W - W % p], p)
 
-    result = _fails("patchify", attempt, "an 8 x 6 image, patch 4", "accepted it silently")
+    result = fails("patchify", attempt, "an 8 x 6 image, patch 4", "accepted it silently")
     assert len(result.failures) == 1
 
 
 def test_patchify_float32_upcast():
-    _fails("patchify", lambda images, p: _patchify(images.astype(np.float64), p), "float32: dtype float64")
+    fails("patchify", lambda images, p: _patchify(images.astype(np.float64), p), "float32: dtype float64")
 
 
 @pytest.mark.parametrize(

@@ -5,37 +5,28 @@ from __future__ import annotations
 import warnings
 
 import numpy as np
-from helpers_exercises import solution
+from helpers_exercises import fails, solution
 
 import tfm_numpy as tnp
 from tfm_numpy.exercises import check
-
-
-def _fails(name, attempt, *texts):
-    result = check(name, attempt, quiet=True)
-    assert not result.passed, result.report()
-    for text in texts:
-        assert result.failed(text), (text, result.report())
-    return result
-
 
 # --- linear_forward ------------------------------------------------------------------------------------------------
 
 
 def test_linear_forward_transposed_weight():
-    _fails("linear_forward", lambda x, W, b: x @ W + b, "raised ValueError", "W of shape (out, in)")
+    fails("linear_forward", lambda x, W, b: x @ W + b, "raised ValueError", "W of shape (out, in)")
 
 
 def test_linear_forward_missing_bias():
-    _fails("linear_forward", lambda x, W, b: x @ W.T, "off by", "y = x W^T + b")
+    fails("linear_forward", lambda x, W, b: x @ W.T, "off by", "y = x W^T + b")
 
 
 def test_linear_forward_float32_upcast():
-    _fails("linear_forward", lambda x, W, b: x.astype(np.float64) @ W.T + b, "dtype float64, expected float32")
+    fails("linear_forward", lambda x, W, b: x.astype(np.float64) @ W.T + b, "dtype float64, expected float32")
 
 
 def test_linear_forward_only_2d():
-    _fails("linear_forward", lambda x, W, b: np.einsum("ni,oi->no", x, W) + b, "3-D input (B, T, in)")
+    fails("linear_forward", lambda x, W, b: np.einsum("ni,oi->no", x, W) + b, "3-D input (B, T, in)")
 
 
 # --- linear_backward -----------------------------------------------------------------------------------------------
@@ -50,7 +41,7 @@ def test_linear_backward_bias_mean():
         dy2, x2 = _flat(dy, x)
         return dy @ W, dy2.T @ x2, dy2.mean(axis=0)
 
-    _fails("linear_backward", attempt, "db: off by", "db sums dy over every leading axis")
+    fails("linear_backward", attempt, "db: off by", "db sums dy over every leading axis")
 
 
 def test_linear_backward_dW_transposed():
@@ -58,14 +49,14 @@ def test_linear_backward_dW_transposed():
         dy2, x2 = _flat(dy, x)
         return dy @ W, x2.T @ dy2, dy2.sum(axis=0)
 
-    _fails("linear_backward", attempt, "dW: shape (4, 5), expected (5, 4)")
+    fails("linear_backward", attempt, "dW: shape (4, 5), expected (5, 4)")
 
 
 def test_linear_backward_sums_only_the_first_axis():
     def attempt(dy, x, W):  # right for (N, in), wrong for (B, T, in)
         return dy @ W, np.tensordot(dy, x, axes=(0, 0)).reshape(-1, x.shape[-1])[: W.shape[0]], dy.sum(axis=0)
 
-    result = _fails("linear_backward", attempt, "3-D input (B, T, in)")
+    result = fails("linear_backward", attempt, "3-D input (B, T, in)")
     assert not result.failed("2-D input (N, in)")
 
 
@@ -74,7 +65,7 @@ def test_linear_backward_dx_uses_transpose():
         dy2, x2 = _flat(dy, x)
         return dy @ W.T, dy2.T @ x2, dy2.sum(axis=0)
 
-    _fails("linear_backward", attempt, "raised ValueError")
+    fails("linear_backward", attempt, "raised ValueError")
 
 
 def test_linear_solution_is_the_chapter_one():
@@ -99,28 +90,28 @@ def _tanh_cdf(x):
 
 
 def test_gelu_forward_tanh_approximation():
-    result = _fails("gelu_forward", lambda x: x * _tanh_cdf(x), "off by", "not the tanh or sigmoid form")
+    result = fails("gelu_forward", lambda x: x * _tanh_cdf(x), "off by", "not the tanh or sigmoid form")
     assert result.failed("wide range, |x| up to 8")
 
 
 def test_gelu_forward_sigmoid_approximation():
-    _fails("gelu_forward", lambda x: x / (1 + np.exp(-1.702 * x)), "3-D input (B, T, d): off by", "exact Phi(x)")
+    fails("gelu_forward", lambda x: x / (1 + np.exp(-1.702 * x)), "3-D input (B, T, d): off by", "exact Phi(x)")
 
 
 def test_gelu_forward_erf_without_the_sqrt2():
-    _fails("gelu_forward", lambda x: x * 0.5 * (1 + tnp.erf(x)), "a vector: off by", "erf(x / sqrt 2)")
+    fails("gelu_forward", lambda x: x * 0.5 * (1 + tnp.erf(x)), "a vector: off by", "erf(x / sqrt 2)")
 
 
 def test_gelu_forward_float32_upcast():
     def attempt(x):  # right numbers, but a float64 scalar turns the float32 result into float64
         return x * _cdf(x) * np.sqrt(np.float64(1.0))
 
-    result = _fails("gelu_forward", attempt, "float32: dtype float64, expected float32")
+    result = fails("gelu_forward", attempt, "float32: dtype float64, expected float32")
     assert len(result.failures) == 1
 
 
 def test_gelu_backward_missing_the_pdf_term():
-    _fails("gelu_backward", lambda dy, x: dy * _cdf(x), "dx: off by", "the product rule needs both terms")
+    fails("gelu_backward", lambda dy, x: dy * _cdf(x), "dx: off by", "the product rule needs both terms")
 
 
 def test_gelu_backward_tanh_derivative():
@@ -128,15 +119,15 @@ def test_gelu_backward_tanh_derivative():
         c, t = np.sqrt(2 / np.pi), 2 * _tanh_cdf(x) - 1
         return dy * ((1 + t) / 2 + x * (1 - t * t) / 2 * c * (1 + 3 * 0.044715 * x * x))
 
-    _fails("gelu_backward", attempt, "wide range, |x| up to 8: dx: off by", "Phi(x) + x phi(x)")
+    fails("gelu_backward", attempt, "wide range, |x| up to 8: dx: off by", "Phi(x) + x phi(x)")
 
 
 def test_gelu_backward_returns_the_forward():
-    _fails("gelu_backward", lambda dy, x: dy * x * _cdf(x), "a vector: dx: off by")
+    fails("gelu_backward", lambda dy, x: dy * x * _cdf(x), "a vector: dx: off by")
 
 
 def test_gelu_backward_float32_upcast():
-    result = _fails("gelu_backward", lambda dy, x: dy * (_cdf(x) + x * _pdf(x)), "float32: dx: dtype float64")
+    result = fails("gelu_backward", lambda dy, x: dy * (_cdf(x) + x * _pdf(x)), "float32: dx: dtype float64")
     assert len(result.failures) == 1
 
 
@@ -157,7 +148,7 @@ def _embedding_grad(dy, ids, num_embeddings, padding_idx=None, *, scatter):
 
 
 def test_embedding_backward_fancy_index_assignment():
-    result = _fails(
+    result = fails(
         "embedding_backward",
         lambda *a, **k: _embedding_grad(*a, **k, scatter="fancy index"),
         "ids (B, T) with repeated ids: dW: off by",
@@ -167,7 +158,7 @@ def test_embedding_backward_fancy_index_assignment():
 
 
 def test_embedding_backward_padding_row_gets_gradient():
-    result = _fails(
+    result = fails(
         "embedding_backward",
         lambda *a, **k: _embedding_grad(*a, **k, scatter="no padding"),
         "padding_idx=0: off by",
@@ -183,7 +174,7 @@ def test_embedding_backward_onehot_for_2d_only():
             dW[padding_idx] = 0
         return dW
 
-    result = _fails("embedding_backward", attempt, "ids (B, T) with repeated ids: ")
+    result = fails("embedding_backward", attempt, "ids (B, T) with repeated ids: ")
     assert not result.failed("each id once")
 
 
@@ -191,7 +182,7 @@ def test_embedding_backward_float64_table():
     def attempt(dy, ids, num_embeddings, padding_idx=None):
         return _embedding_grad(dy.astype(np.float64), ids, num_embeddings, padding_idx, scatter="add.at")
 
-    _fails("embedding_backward", attempt, "float32: dtype float64, expected float32")
+    fails("embedding_backward", attempt, "float32: dtype float64, expected float32")
 
 
 # --- layer_norm_forward / layer_norm_backward (chapter 3) ------------------------------------------------------------
@@ -207,7 +198,7 @@ def _ln(x, gamma, beta, eps=1e-5, *, ddof=0, eps_outside=False, one_pass=False):
 def test_layer_norm_forward_unbiased_variance():
     with warnings.catch_warnings():  # as in a notebook: D - 1 = 0 warns, and the row becomes nan
         warnings.simplefilter("ignore", RuntimeWarning)
-        result = _fails(
+        result = fails(
             "layer_norm_forward",
             lambda x, gamma, beta, eps=1e-5: _ln(x, gamma, beta, eps, ddof=1),
             "2-D input (N, D): off by",
@@ -217,7 +208,7 @@ def test_layer_norm_forward_unbiased_variance():
 
 
 def test_layer_norm_forward_eps_outside_the_sqrt():
-    result = _fails(
+    result = fails(
         "layer_norm_forward",
         lambda x, gamma, beta, eps=1e-5: _ln(x, gamma, beta, eps, eps_outside=True),
         "rows of std 1e-3, where eps matters: off by",
@@ -227,7 +218,7 @@ def test_layer_norm_forward_eps_outside_the_sqrt():
 
 
 def test_layer_norm_forward_one_pass_variance():
-    result = _fails(
+    result = fails(
         "layer_norm_forward",
         lambda x, gamma, beta, eps=1e-5: _ln(x, gamma, beta, eps, one_pass=True),
         "rows of mean 1e5: off by",
@@ -237,7 +228,7 @@ def test_layer_norm_forward_one_pass_variance():
 
 
 def test_layer_norm_forward_ignores_eps_argument():
-    result = _fails("layer_norm_forward", lambda x, gamma, beta, eps=1e-5: _ln(x, gamma, beta), "eps=0.1, given")
+    result = fails("layer_norm_forward", lambda x, gamma, beta, eps=1e-5: _ln(x, gamma, beta), "eps=0.1, given")
     assert len(result.failures) == 1
 
 
@@ -246,7 +237,7 @@ def test_layer_norm_forward_normalizes_the_wrong_axis():
         mu, var = x.mean(0, keepdims=True), x.var(0, keepdims=True)  # statistics over the batch: batch norm
         return (x - mu) / np.sqrt(var + eps) * gamma + beta
 
-    _fails("layer_norm_forward", attempt, "2-D input (N, D): off by")
+    fails("layer_norm_forward", attempt, "2-D input (N, D): off by")
 
 
 def _ln_backward(dy, x, gamma, eps=1e-5, *, mean_term=True, xhat_term=True, lead="all", dgamma_of="xhat"):
@@ -264,7 +255,7 @@ def _ln_backward(dy, x, gamma, eps=1e-5, *, mean_term=True, xhat_term=True, lead
 
 
 def test_layer_norm_backward_missing_the_mean_term():
-    _fails(
+    fails(
         "layer_norm_backward",
         lambda dy, x, gamma, eps=1e-5: _ln_backward(dy, x, gamma, eps, mean_term=False),
         "2-D input (N, D): dx: off by",
@@ -273,7 +264,7 @@ def test_layer_norm_backward_missing_the_mean_term():
 
 
 def test_layer_norm_backward_missing_the_xhat_term():
-    result = _fails(
+    result = fails(
         "layer_norm_backward",
         lambda dy, x, gamma, eps=1e-5: _ln_backward(dy, x, gamma, eps, xhat_term=False),
         "3-D input (B, T, D): dx: off by",
@@ -282,7 +273,7 @@ def test_layer_norm_backward_missing_the_xhat_term():
 
 
 def test_layer_norm_backward_dgamma_summed_over_the_first_axis_only():
-    result = _fails(
+    result = fails(
         "layer_norm_backward",
         lambda dy, x, gamma, eps=1e-5: _ln_backward(dy, x, gamma, eps, lead="first"),
         "3-D input (B, T, D): dgamma: shape (3, 16), expected (16,)",
@@ -292,7 +283,7 @@ def test_layer_norm_backward_dgamma_summed_over_the_first_axis_only():
 
 
 def test_layer_norm_backward_dgamma_of_x_not_xhat():
-    _fails(
+    fails(
         "layer_norm_backward",
         lambda dy, x, gamma, eps=1e-5: _ln_backward(dy, x, gamma, eps, dgamma_of="x"),
         "dgamma: off by",
@@ -310,7 +301,7 @@ def _naive_log_softmax(x):
 
 def test_log_softmax_without_the_max_shift():
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        result = _fails("log_softmax", _naive_log_softmax, "large logits (about 1000): nan at index", "subtract")
+        result = fails("log_softmax", _naive_log_softmax, "large logits (about 1000): nan at index", "subtract")
     assert not result.failed("2-D input") and not result.failed("3-D input")
 
 
@@ -320,7 +311,7 @@ def test_log_softmax_as_log_of_softmax():
         return np.log(e / e.sum(-1, keepdims=True))
 
     with np.errstate(divide="ignore"):
-        result = _fails("log_softmax", attempt, "a probability that underflows: ", "never log(softmax(x))")
+        result = fails("log_softmax", attempt, "a probability that underflows: ", "never log(softmax(x))")
     assert len(result.failures) == 1
 
 
@@ -329,7 +320,7 @@ def test_log_softmax_over_the_wrong_axis():
         z = x - x.max(0, keepdims=True)
         return z - np.log(np.exp(z).sum(0, keepdims=True))
 
-    _fails("log_softmax", attempt, "2-D input (N, V): off by", "over the LAST axis")
+    fails("log_softmax", attempt, "2-D input (N, V): off by", "over the LAST axis")
 
 
 def test_log_softmax_float32_upcast():
@@ -337,7 +328,7 @@ def test_log_softmax_float32_upcast():
         z = x.astype(np.float64) - x.max(-1, keepdims=True)
         return z - np.log(np.exp(z).sum(-1, keepdims=True))
 
-    _fails("log_softmax", attempt, "float32: dtype float64, expected float32")
+    fails("log_softmax", attempt, "float32: dtype float64, expected float32")
 
 
 def _ce(logits, targets, ignore_index=-100, *, shift=True, count="valid", grad_div=True, onehot_shift=0, pad_grad=0):
@@ -358,7 +349,7 @@ def _ce(logits, targets, ignore_index=-100, *, shift=True, count="valid", grad_d
 
 def test_cross_entropy_without_the_max_shift():
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        result = _fails(
+        result = fails(
             "softmax_cross_entropy",
             lambda *a, **k: _ce(*a, **k, shift=False),
             "large logits (about 1000): loss: nan at index ()",
@@ -368,7 +359,7 @@ def test_cross_entropy_without_the_max_shift():
 
 
 def test_cross_entropy_mean_over_all_tokens():
-    result = _fails(
+    result = fails(
         "softmax_cross_entropy",
         lambda *a, **k: _ce(*a, **k, count="all"),
         "3-D logits (B, T, V), padding ignored: loss: off by",
@@ -378,7 +369,7 @@ def test_cross_entropy_mean_over_all_tokens():
 
 
 def test_cross_entropy_gradient_not_divided_by_the_count():
-    result = _fails(
+    result = fails(
         "softmax_cross_entropy",
         lambda *a, **k: _ce(*a, **k, grad_div=False),
         "2-D logits (N, V): dlogits: off by",
@@ -388,11 +379,11 @@ def test_cross_entropy_gradient_not_divided_by_the_count():
 
 
 def test_cross_entropy_onehot_off_by_one():
-    _fails("softmax_cross_entropy", lambda *a, **k: _ce(*a, **k, onehot_shift=1), "dlogits: off by")
+    fails("softmax_cross_entropy", lambda *a, **k: _ce(*a, **k, onehot_shift=1), "dlogits: off by")
 
 
 def test_cross_entropy_gradient_at_ignored_positions():
-    result = _fails(
+    result = fails(
         "softmax_cross_entropy",
         lambda *a, **k: _ce(*a, **k, pad_grad=1),
         "3-D logits (B, T, V), padding ignored: dlogits: off by",
@@ -408,12 +399,12 @@ def test_cross_entropy_all_ignored_gives_nan():
             return np.float64(np.nan), np.full(logits.shape, np.nan)
         return _ce(logits, targets, ignore_index)
 
-    result = _fails("softmax_cross_entropy", attempt, "every position ignored: loss: nan", "max(n_valid, 1)")
+    result = fails("softmax_cross_entropy", attempt, "every position ignored: loss: nan", "max(n_valid, 1)")
     assert len(result.failures) == 2
 
 
 def test_cross_entropy_hardcoded_ignore_index():
-    result = _fails(
+    result = fails(
         "softmax_cross_entropy",
         lambda logits, targets, ignore_index=-100: _ce(logits, targets),
         "ignore_index=0, given",

@@ -340,3 +340,23 @@ def test_refusals(track):
     for kwargs, error, message in cases:
         with pytest.raises(error, match=message):
             lib.speculative_generate(**{**base, **kwargs})
+
+
+def test_rollback_of_an_int8_cache_cuts_the_scales_too_and_a_rolling_cache_is_refused():
+    cfg = dict(vocab_size=11, d_model=8, n_heads=2, d_ff=12, n_layers=2, max_len=16)
+    model = tn.GPT(**cfg, positional="rope", rng=0, dtype=np.float64).eval()
+    tokens = np.array([[1, 2, 3, 4, 5, 6]])
+    cache = model.new_cache("int8")
+    model.forward_step(tokens, cache)
+    np_spec.rollback_cache(cache, 4)
+    fresh = model.new_cache("int8")
+    model.forward_step(tokens[:, :4], fresh)
+    for layer, want in zip(cache["layers"], fresh["layers"], strict=True):
+        for name in ("k", "v", "k_scale", "v_scale"):
+            assert np.array_equal(layer[name], want[name]), name
+    assert np.abs(model.forward_step(tokens[:, 4:5], cache) - model.forward_step(tokens[:, 4:5], fresh)).max() == 0
+    windowed = tn.GPT(**cfg, positional="rope", window=4, rng=0, dtype=np.float64).eval()
+    rolling = {}
+    windowed.forward_step(tokens, rolling)
+    with pytest.raises(ValueError, match="expected a growing cache"):
+        np_spec.rollback_cache(rolling, 2)

@@ -21,6 +21,7 @@ from .sampling import check_generate, check_logits, check_token_window
 from .validate import check_size
 
 __all__ = [
+    "rollback_cache",
     "SpeculativeOutput",
     "check_speculative",
     "check_rollback",
@@ -91,11 +92,28 @@ def check_speculative(target, draft, tokens_shape: tuple, max_new_tokens, k, tem
 
 
 def check_rollback(cache: dict, length) -> int:
-    """`rollback_cache`'s length: an int from 0 to the cache's own length (a rollback never grows a cache)."""
+    """`rollback_cache`'s length: an int from 0 to the cache's own length (a rollback never grows a cache), on a
+    growing cache (a rolling one, chapter 21c, has overwritten what a rollback would need)."""
     length = check_size("rollback_cache", "length", length, minimum=0)
+    if "slots" in cache:
+        raise ValueError("rollback_cache: expected a growing cache (GPT.forward_step's), got a rolling one (slots)")
     if length > cache.get("length", 0):
         raise ValueError(f"rollback_cache: length must be <= the cache's length {cache.get('length', 0)}, got {length}")
     return length
+
+
+def rollback_cache(cache: dict, length: int) -> dict:
+    """Forget the positions of a `GPT.forward_step` cache from `length` on (rejected proposals): each layer's keys
+    and values (and the int8 cache's scales) become views of their first `length` positions, and cache["length"] =
+    length. The buffers stay; the next forward_step writes over the forgotten positions. Returns the cache (changed
+    in place). The same slicing in both tracks (NumPy arrays and torch tensors)."""
+    length = check_rollback(cache, length)
+    for layer in cache.get("layers", []):
+        for name in ("k", "v", "k_scale", "v_scale"):
+            if name in layer:
+                layer[name] = layer[name][:, :, :length]  # (B, Hkv, length, dh or 1)
+    cache["length"] = length
+    return cache
 
 
 def distribution(logits: np.ndarray, temperature: float, top_k: int | None) -> np.ndarray:

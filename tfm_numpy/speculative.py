@@ -10,9 +10,9 @@ import numpy as np
 
 from tfm_common.speculative import (
     SpeculativeOutput,
-    check_rollback,
     check_speculative,
     distribution,
+    rollback_cache,
     sample_from,
     verify,
 )
@@ -51,19 +51,6 @@ def speculative_generate(target, draft, tokens, max_new_tokens, *, k, temperatur
             draft_calls += m
     return SpeculativeOutput(np.array([out], dtype=np.int64), np.array(proposed, dtype=np.int64),
                              np.array(accepted, dtype=np.int64), len(accepted), draft_calls)  # fmt: skip
-
-
-def rollback_cache(cache: dict, length: int) -> dict:
-    """Forget the positions of a `GPT.forward_step` cache from `length` on (rejected proposals): each layer's keys
-    and values become views of their first `length` positions, and cache["length"] = length. The buffers stay; the
-    next forward_step writes over the forgotten positions. Returns the cache (changed in place)."""
-    length = check_rollback(cache, length)
-    for layer in cache.get("layers", []):
-        for name in ("k", "v"):
-            if name in layer:
-                layer[name] = layer[name][:, :, :length]
-    cache["length"] = length
-    return cache
 
 
 def _check(target, draft, tokens, max_new_tokens, k, temperature, top_k, rng) -> tuple:
