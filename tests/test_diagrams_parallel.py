@@ -1,4 +1,4 @@
-"""Chapter 20's diagrams: the ring's schedule is what RingMember really sends; ZeRO's names are the library's."""
+"""Chapter 20a's diagrams: the ring's schedule is what RingMember really sends; ZeRO's names are the library's."""
 
 import inspect
 import io

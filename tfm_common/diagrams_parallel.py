@@ -1,4 +1,4 @@
-"""Diagrams of data parallelism (chapter 20): the ring all-reduce step by step, and what each ZeRO stage shards.
+"""Diagrams of data parallelism (chapter 20a): the ring all-reduce step by step, and what each ZeRO stage shards.
 
 Each function returns a `matplotlib.figure.Figure` built with the object API (no pyplot state, as
 `tfm_common.plotting`), with the library's names on it: `RingMember.reduce_scatter`, `all_gather`, `all_reduce`,

@@ -300,7 +300,7 @@ def train_step_mixed(
     """The mixed-precision step of `tfm_numpy.train_step_mixed`, step for step: weights, logits and gradients
     stored in `half`, float32 master weights, unscaling and Adam; an overflow skips the step. (The library's
     layers accept float32/float64 only, so `torch.autocast`, which hands 16-bit tensors from layer to layer,
-    runs on `torch.nn` modules, not on these: see chapter 20.)"""
+    runs on `torch.nn` modules, not on these: see chapter 20a.)"""
     check_mixed_step("train_step_mixed", batch, lr, scaler, clip_norm)  # before the scaler sees the step
     params = optimizer_params(optimizer)
     check_mixed(model.parameters(), params, params[0].dtype, torch.float32, half)
