@@ -54,3 +54,25 @@ def test_bad_input(fn):
 def test_bleu_needs_strings():
     with pytest.raises(TypeError, match="hyps must be strings .* got list at index 1"):
         corpus_bleu(["a b", ["c"]], ["a b", "c"])
+
+
+def test_wilson_interval_known_values_and_refusals():
+    from tfm_common.metrics import wilson_interval
+
+    # 95% Wilson interval of 8/10 (closed form worked by hand: centre 0.7167, half 0.2266)
+    low, high = wilson_interval(8, 10)
+    assert abs(low - 0.4902) < 1e-4 and abs(high - 0.9433) < 1e-4
+    # never empty and never outside [0, 1] at the ends
+    low0, high0 = wilson_interval(0, 20)
+    assert low0 == 0.0 and 0.15 < high0 < 0.17
+    lown, highn = wilson_interval(20, 20)
+    assert highn == 1.0 and 0.83 < lown < 0.85
+    # narrows as n grows
+    assert wilson_interval(800, 1000)[1] - wilson_interval(800, 1000)[0] < high - low
+    for bad in [(11, 10), (-1, 10), (0, 0)]:
+        with pytest.raises(ValueError, match="wilson_interval"):
+            wilson_interval(*bad)
+    with pytest.raises(TypeError, match="successes"):
+        wilson_interval(8.0, 10)
+    with pytest.raises(ValueError, match="z"):
+        wilson_interval(8, 10, z=0)

@@ -20,9 +20,12 @@ fewer than four tokens has no 4-grams at all and scores 0 with any words, even w
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
-__all__ = ["exact_match", "corpus_bleu"]
+from .validate import check_int, check_real
+
+__all__ = ["exact_match", "corpus_bleu", "wilson_interval"]
 
 
 def exact_match(hyps: Sequence, refs: Sequence) -> float:
@@ -47,6 +50,27 @@ def corpus_bleu(hyps: Sequence[str], refs: Sequence[str], tokenize: str = "13a")
             raise TypeError(f"corpus_bleu: {arg} must be strings (decoded texts), got {type(texts[bad]).__name__} "
                             f"at index {bad}")  # fmt: skip
     return float(sacrebleu.corpus_bleu(hyps, [refs], tokenize=tokenize).score)
+
+
+def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval (Wilson, 1927) for a proportion: `successes` right out of `n` -> (low, high).
+
+    Unlike p +- z sqrt(p (1 - p) / n), it stays inside [0, 1] and is not empty at 0 or n successes: with p = k / n,
+
+        centre = (p + z^2 / 2n) / (1 + z^2 / n),   half = z / (1 + z^2 / n) * sqrt(p (1 - p) / n + z^2 / 4n^2).
+
+    z = 1.96 gives the 95% interval. Accuracy on a test set of n examples is such a proportion.
+    """
+    k, n = check_int("wilson_interval", "successes", successes), check_int("wilson_interval", "n", n)
+    z = check_real("wilson_interval", "z", z, low=0.0)
+    if z == 0:
+        raise ValueError("wilson_interval: z must be > 0 (1.96 for 95%), got 0")
+    if n < 1 or not 0 <= k <= n:
+        raise ValueError(f"wilson_interval: need n >= 1 and 0 <= successes <= n, got successes={k}, n={n}")
+    p, z2 = k / n, z * z
+    centre = (p + z2 / (2 * n)) / (1 + z2 / n)
+    half = z / (1 + z2 / n) * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
+    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def _check_pairs(name: str, hyps, refs) -> tuple[list, list]:
