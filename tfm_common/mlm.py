@@ -25,7 +25,7 @@ from .sampling import check_token_window
 from .validate import check_probability
 
 __all__ = ["BERT_SPECIALS", "IGNORE_INDEX", "BERT_ARGS", "SpecialIds", "MaskedBatch", "bert_tokenizer",
-           "special_ids", "mask_tokens", "check_bert_config", "BERTDoor"]  # fmt: skip
+           "special_ids", "mask_tokens", "FATES", "mask_fates", "check_bert_config", "BERTDoor"]  # fmt: skip
 
 BERT_SPECIALS = (b"[PAD]", b"[CLS]", b"[SEP]", b"[MASK]")
 IGNORE_INDEX = -100  # a target the loss skips (torch's default ignore_index)
@@ -82,6 +82,20 @@ def mask_tokens(ids, *, mask_id: int, vocab_size: int, special_ids, p: float = 0
     return MaskedBatch(inputs, targets, chosen)
 
 
+FATES = ("not chosen", "[MASK]", "random", "kept")  # what mask_fates' codes 0 .. 3 mean
+
+
+def mask_fates(ids: np.ndarray, batch: MaskedBatch, mask_id: int) -> np.ndarray:
+    """What `mask_tokens` did at each position of `ids`, as codes into FATES: 0 not chosen, 1 replaced by [MASK],
+    2 replaced by another token, 3 chosen and kept (a random draw that hit the original token counts as kept: the
+    model reads the true token either way)."""
+    ids = np.asarray(ids)
+    if ids.shape != batch.inputs.shape:
+        raise ValueError(f"mask_fates: ids expected the batch's shape {batch.inputs.shape}, got {ids.shape}")
+    replaced = np.where(batch.inputs == mask_id, 1, np.where(batch.inputs == ids, 3, 2))
+    return np.where(batch.chosen, replaced, 0)
+
+
 def _check_mask_tokens(ids, mask_id, vocab_size, special_ids, p, rng):
     owner = "mask_tokens"
     if not isinstance(ids, np.ndarray) or ids.dtype.kind not in "iu":
@@ -91,9 +105,8 @@ def _check_mask_tokens(ids, mask_id, vocab_size, special_ids, p, rng):
         raise ValueError(f"{owner}: vocab_size must be an int >= 2, got {vocab_size!r}")
     if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
         raise ValueError(f"{owner}: ids must be in [0, {vocab_size}), got values in [{ids.min()}, {ids.max()}]")
-    for arg, i in (("mask_id", mask_id),):
-        if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= i < vocab_size:
-            raise ValueError(f"{owner}: {arg} must be an int in [0, {vocab_size}), got {i!r}")
+    if isinstance(mask_id, bool) or not isinstance(mask_id, (int, np.integer)) or not 0 <= mask_id < vocab_size:
+        raise ValueError(f"{owner}: mask_id must be an int in [0, {vocab_size}), got {mask_id!r}")
     try:
         specials = np.array(list(special_ids))
     except TypeError:
