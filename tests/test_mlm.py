@@ -138,3 +138,19 @@ def test_bad_arguments_refused(change, error, words):
     with pytest.raises(error) as info:
         mask_tokens(args.pop("ids"), **args)
     assert str(info.value).startswith("mask_tokens: ") and words in str(info.value), str(info.value)
+
+
+def test_mask_rule_at_its_boundaries():
+    """u_choose < p chooses (p itself does not); u_fate < 0.8 masks, [0.8, 0.9) replaces, 0.9 and above keep."""
+    from tfm_common.mlm import mask_rule
+
+    ids = np.array([5, 6, 7, 8, 9, CLS])
+    u_choose = np.array([0.0, 0.1, 0.1, 0.1, 0.15, 0.0])
+    u_fate = np.array([0.79, 0.8, 0.8999, 0.9, 0.0, 0.0])
+    random_ids = np.array([1, 2, 3, 4, 5, 6])
+    out = mask_rule(ids, u_choose, u_fate, random_ids, mask_id=MASK, special_ids=SPECIALS, p=0.15)
+    assert out.chosen.tolist() == [True, True, True, True, False, False]
+    assert out.inputs.tolist() == [MASK, 2, 3, 8, 9, CLS]
+    assert out.targets.tolist() == [5, 6, 7, 8, IGNORE_INDEX, IGNORE_INDEX]
+    with pytest.raises(ValueError, match=r"mask_rule: u_fate expected a numpy array of the shape of ids \(6,\)"):
+        mask_rule(ids, u_choose, u_fate[:3], random_ids, mask_id=MASK, special_ids=SPECIALS)
