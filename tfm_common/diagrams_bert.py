@@ -89,9 +89,10 @@ def mlm_figure(ids, batch: MaskedBatch, token_text, special: SpecialIds) -> Figu
     body = FancyBboxPatch((x_left, 1.7), x_right - x_left, 1.25, boxstyle="round,pad=0,rounding_size=0.08")
     body.set(facecolor=COLORS["attn"], edgecolor="#333333", linewidth=1.0)
     ax.add_patch(body)
-    ax.text((x_left + x_right) / 2, 2.32, "BERT: embed + positions, n_layers GPTBlocks WITHOUT the causal mask "
-            "(every query sees every key but [PAD]),\nnorm, then the MLM head: head_dense → GELU → head_norm → "
-            "output_projection (tied, + bias): logits (T, vocab_size)", ha="center", va="center", fontsize=7.6)  # fmt: skip
+    body_text = ("BERT: embed + positions, n_layers GPTBlocks WITHOUT the causal mask (every query sees every key but "
+                 "[PAD]),\nnorm, then the MLM head: head_dense → GELU → head_norm → output_projection (tied, + bias): "
+                 "logits (T, vocab_size)")  # fmt: skip
+    ax.text((x_left + x_right) / 2, 2.32, body_text, ha="center", va="center", fontsize=7.6)
     for t in range(T):
         ax.annotate("", xy=(xs[t], 2.95), xytext=(xs[t], 3.22), arrowprops=dict(arrowstyle="-|>", lw=0.7))
     ax.text((x_left + x_right) / 2, 0.45, "the loss counts only the chosen positions (targets elsewhere: "

@@ -24,8 +24,8 @@ from .config import GPT_ARGS, check_gpt_config
 from .sampling import check_token_window
 from .validate import behind_door, check_probability
 
-__all__ = ["BERT_SPECIALS", "IGNORE_INDEX", "BERT_ARGS", "SpecialIds", "MaskedBatch", "bert_tokenizer",
-           "special_ids", "mask_tokens", "mask_rule", "FATES", "mask_fates", "check_bert_config", "BERTDoor"]  # fmt: skip
+__all__ = ["BERT_SPECIALS", "IGNORE_INDEX", "BERT_ARGS", "SpecialIds", "MaskedBatch", "bert_tokenizer", "special_ids",
+           "mask_tokens", "mask_rule", "FATES", "mask_fates", "check_bert_config", "BERTDoor"]  # fmt: skip
 
 BERT_SPECIALS = (b"[PAD]", b"[CLS]", b"[SEP]", b"[MASK]")
 IGNORE_INDEX = -100  # a target the loss skips (torch's default ignore_index)

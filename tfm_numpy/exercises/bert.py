@@ -49,8 +49,9 @@ def grade_mask_rule(g: Grader) -> None:
     ids = np.array([5, 6, 7, 8, 9, 10, 11])  # the boundaries of each interval, no special token
     u_choose = np.array([0.0, 0.3, 0.3, 0.3, 0.3, 0.2999, 0.1])
     u_fate = np.array([0.5, 0.7999, 0.8, 0.8999, 0.9, 0.95, 0.85])
-    hints = {"inputs": "u_choose = p is NOT chosen (u_choose < p); u_fate = 0.8 is a random token and u_fate = 0.9 is "
-                       "kept: the intervals are [0, 0.8), [0.8, 0.9), [0.9, 1)", "targets": HINTS["targets"]}  # fmt: skip
+    boundary = ("u_choose = p is NOT chosen (u_choose < p); u_fate = 0.8 is a random token and u_fate = 0.9 is kept: "
+                "the intervals are [0, 0.8), [0.8, 0.9), [0.9, 1)")  # fmt: skip
+    hints = {"inputs": boundary, "targets": HINTS["targets"]}
     _case(g, "the boundaries: u_choose = p, u_fate = 0.8 and 0.9", ids, u_choose, u_fate, ids + 20, 0.3, hints)
     ids = np.array([[CLS, 3, 4, SEP, PAD, PAD]])
     hint = "special tokens ([CLS], [SEP], [PAD], [MASK]) are never chosen, however small u_choose is there"
