@@ -154,3 +154,53 @@ def test_mask_rule_at_its_boundaries():
     assert out.targets.tolist() == [5, 6, 7, 8, IGNORE_INDEX, IGNORE_INDEX]
     with pytest.raises(ValueError, match=r"mask_rule: u_fate expected a numpy array of the shape of ids \(6,\)"):
         mask_rule(ids, u_choose, u_fate[:3], random_ids, mask_id=MASK, special_ids=SPECIALS)
+
+
+# -- the recipe (tfm_common.mlm_recipe): batches, the loop in either track, the evaluation -------------------------
+
+
+def test_mlm_batch_windows_start_with_cls_and_end_with_sep():
+    from tfm_common.mlm import SpecialIds
+    from tfm_common.mlm_recipe import mlm_batch
+
+    special = SpecialIds(PAD, CLS, SEP, MASK)
+    ids = np.random.default_rng(0).integers(0, 46, 500)
+    b = mlm_batch(ids, special, V, batch_size=6, block_size=20, rng=np.random.default_rng(1))
+    assert b.inputs.shape == b.targets.shape == (6, 20)
+    assert (b.inputs[:, 0] == CLS).all() and (b.inputs[:, -1] == SEP).all() and not b.chosen[:, [0, -1]].any()
+    assert np.array_equal(b.targets != IGNORE_INDEX, b.chosen) and b.chosen.any()
+
+
+def test_train_mlm_same_in_both_tracks_and_learns():
+    from tfm_common.mlm import SpecialIds
+    from tfm_common.mlm_recipe import train_mlm
+
+    special = SpecialIds(12, 13, 14, 15)
+    ids = np.tile(np.arange(12, dtype=np.int64), 60)  # a periodic text: every masked token follows from its neighbours
+    cfg = dict(vocab_size=16, d_model=16, n_heads=2, d_ff=32, n_layers=1, max_len=16, dropout=0.0, pad_id=12,
+               positional="rope")  # fmt: skip
+    m_np = tn.BERT(**cfg, rng=0, dtype=np.float64)
+    m_t = tt.BERT(**cfg, rng=1, dtype=torch.float64)
+    m_t.load_state_dict({k: torch.from_numpy(v) for k, v in m_np.state_dict().items()})
+    kw = dict(steps=60, batch_size=8, block_size=12, peak=1e-2, warmup=5, seed=3, p=0.5)
+    a, b = train_mlm(m_np, tn, ids, special, **kw), train_mlm(m_t, tt, ids, special, **kw)
+    assert a.shape == (60,) and np.abs(a - b).max() < 1e-10
+    assert a[-5:].mean() < 0.8 * a[:5].mean()  # slowly: a masked token is known only through attention
+
+
+def test_mlm_eval_loss_is_the_ignored_index_cross_entropy():
+    from tfm_common.mlm import SpecialIds
+    from tfm_common.mlm_recipe import mlm_eval_batches, mlm_eval_loss
+
+    special = SpecialIds(PAD, CLS, SEP, MASK)
+    ids = np.random.default_rng(2).integers(0, 46, 400)
+    clean, b = mlm_eval_batches(ids, special, V, 12, n_windows=30, seed=4)
+    assert np.array_equal(clean[:, 1:-1].reshape(-1), ids[:300]) and (clean[:, 0] == CLS).all()
+    again = mlm_eval_batches(ids, special, V, 12, n_windows=30, seed=4)[1]
+    assert all(np.array_equal(x, y) for x, y in zip(b, again, strict=True))
+    logits = np.random.default_rng(5).standard_normal((30, 12, V))
+    loss, per_position = mlm_eval_loss(lambda x: logits[: len(x)] if len(x) == 30 else None, b, batch_size=30)
+    expected = float(tn.CrossEntropyLoss(ignore_index=IGNORE_INDEX)(logits, b.targets))
+    assert abs(loss - expected) < 1e-12 and not per_position[~b.chosen].any()
+    with pytest.raises(ValueError, match="mlm_eval_batches: 40 windows of 10 tokens need 400 ids, got 399"):
+        mlm_eval_batches(ids[:399], special, V, 12, n_windows=40, seed=0)
