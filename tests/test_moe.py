@@ -267,3 +267,19 @@ def test_moe_gpt_refusals(lib):
         lib.MoEGPT(**CFG, n_experts=2, activation="swiglu")
     with pytest.raises(ValueError, match="MoEGPT: capacity_factor must be > 0"):
         lib.MoEGPT(**CFG, n_experts=2, capacity_factor=0)
+
+
+@pytest.mark.parametrize("lib", [nm, tm])
+def test_counts_over_many_forwards_and_reset(lib):
+    dt = np.float64 if lib is nm else torch.float64
+    m = lib.MoEFeedForward(6, 5, 4, 2, capacity_factor=0.5, rng=0, dtype=dt)
+    arr = (lambda a: a) if lib is nm else torch.from_numpy
+    rng = np.random.default_rng(0)
+    dropped = kept = 0
+    for n in (8, 5, 12):
+        m(arr(rng.standard_normal((n, 6))))
+        dropped, kept = dropped + m.dropped, kept + m.tokens_per_expert
+    assert m.assignments_seen == 2 * 25 and m.assignments_dropped == dropped > 0
+    assert np.array_equal(m.tokens_seen_per_expert, kept) and m.dropped_share == dropped / 50
+    m.reset_counts()
+    assert m.assignments_seen == 0 and m.dropped_share == 0.0 and m.tokens_seen_per_expert is None

@@ -24,7 +24,8 @@ import numpy as np
 from .validate import check_choice, check_real, check_size, check_sizes
 
 __all__ = ["Routing", "check_moe_args", "check_router_args", "check_capacity_factor", "moe_gpt_parts",
-           "expert_capacity", "route", "renormalizes", "balance_fractions", "MOE_ACTIVATIONS", "MOE_KEYS"]  # fmt: skip
+           "expert_capacity", "route", "renormalizes", "balance_fractions", "recording_track", "MoEBookkeeping",
+           "MOE_ACTIVATIONS", "MOE_KEYS"]  # fmt: skip
 
 MOE_ACTIVATIONS = ("relu", "gelu")  # the experts are the library's PositionwiseFeedForward
 
@@ -147,3 +148,54 @@ def moe_gpt_parts(model, parts: SimpleNamespace, block, n_experts, top_k, capaci
 
     object.__setattr__(model, "_moe", moe)
     object.__setattr__(model, "_parts", SimpleNamespace(**{**vars(parts), "GPTBlock": make_block}))
+
+
+def recording_track(track, model) -> tuple[SimpleNamespace, list]:
+    """(a stand-in for `track` whose lm_train_step also records, after every step, the assignments each expert of
+    each MoE layer of `model` served: a list of (n_layers, E) arrays, filled as training goes). For train_lm
+    (tfm_common.lm_recipe), which takes the track as an argument: the training loop stays the dense GPT's."""
+    log: list = []
+
+    def lm_train_step(*args, **kwargs):
+        result = track.lm_train_step(*args, **kwargs)
+        log.append(np.stack([layer.tokens_per_expert for layer in model.moe_layers()]))
+        return result
+
+    return SimpleNamespace(make_adam=track.make_adam, CrossEntropyLoss=track.CrossEntropyLoss,
+                           lm_train_step=lm_train_step), log  # fmt: skip
+
+
+class MoEBookkeeping:
+    """What a MoEFeedForward of either track counts (a mixin): the last forward's `routing`, and totals since
+    `reset_counts()` over every forward, for a measurement over many batches (an evaluation, an epoch)."""
+
+    routing: Routing | None = None
+    assignments_seen = assignments_dropped = 0
+    tokens_seen_per_expert: np.ndarray | None = None
+
+    def _count(self, routing: Routing) -> None:
+        self.routing = routing
+        self.assignments_seen += routing.keep.size
+        self.assignments_dropped += routing.dropped
+        prev = self.tokens_seen_per_expert
+        self.tokens_seen_per_expert = routing.kept.copy() if prev is None else prev + routing.kept
+
+    def reset_counts(self) -> None:
+        """Start the totals (assignments_seen, assignments_dropped, tokens_seen_per_expert) again from zero."""
+        self.assignments_seen = self.assignments_dropped = 0
+        self.tokens_seen_per_expert = None
+
+    @property
+    def dropped_share(self) -> float:
+        """The dropped share of every assignment since reset_counts() (0 before any forward)."""
+        return self.assignments_dropped / self.assignments_seen if self.assignments_seen else 0.0
+
+    @property
+    def tokens_per_expert(self) -> np.ndarray | None:
+        """(E,) the assignments each expert served in the last forward (after the capacity)."""
+        return None if self.routing is None else self.routing.kept
+
+    @property
+    def dropped(self) -> int | None:
+        """Assignments dropped for want of capacity in the last forward."""
+        return None if self.routing is None else self.routing.dropped

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from tfm_common.moe import (
+    MoEBookkeeping,
     balance_fractions,
     check_capacity_factor,
     check_moe_args,
@@ -28,7 +29,7 @@ from .sublayers import PositionwiseFeedForward
 __all__ = ["MoEFeedForward", "MoEGPTBlock", "MoEGPT"]
 
 
-class MoEFeedForward(Module):
+class MoEFeedForward(MoEBookkeeping, Module):
     """y_n = sum_j keep[n, j] g[n, j] FFN_{e(n, j)}(x_n): a mixture of n_experts feed-forwards, top_k per token.
 
         logits = x W_r^T (N, E)      p = softmax(logits)      e(n, 1..k) = the k largest p[n], best first
@@ -70,7 +71,7 @@ class MoEFeedForward(Module):
         self.router = Linear(d_model, n_experts, bias=False, rng=rng, dtype=dt)  # (E, d_model)
         ffs = (PositionwiseFeedForward(d_model, d_ff, dropout, activation, rng=rng, dtype=dt) for _ in range(n_experts))
         self.experts = ModuleList(ffs)
-        self.routing = self.aux_loss = self.z_loss = None
+        self.aux_loss = self.z_loss = None
 
     def _check_forward(self, x) -> None:
         check_input("MoEFeedForward", x, last_dim=self.d_model, dtype=self.router.weight.dtype)
@@ -116,7 +117,7 @@ class MoEFeedForward(Module):
         outs = [expert(xe) for expert, xe in zip(self.experts, self.dispatch(x2, routing), strict=True)]
         y2 = self.combine(outs, routing, gates)  # (N, d)
         self.aux_loss, self.z_loss, lse = self.losses(logits, probs, routing)
-        self.routing = routing
+        self._count(routing)  # the last routing, and the totals since reset_counts()
         self._cache = (x.shape, probs, routing, gates, outs, lse)
         return y2.reshape(x.shape)
 
@@ -154,17 +155,6 @@ class MoEFeedForward(Module):
         dlogits = softmax_backward(probs, dprobs)
         dlogits += (self.z_loss_coef * 2 / N) * lse[:, None] * probs  # d mean(lse^2) / dlogits = 2 lse p / N
         return dlogits
-
-    # -- bookkeeping -------------------------------------------------------------------------------------------------
-    @property
-    def tokens_per_expert(self) -> np.ndarray | None:
-        """(E,) the assignments each expert served in the last forward (after the capacity)."""
-        return None if self.routing is None else self.routing.kept
-
-    @property
-    def dropped(self) -> int | None:
-        """Assignments dropped for want of capacity in the last forward."""
-        return None if self.routing is None else self.routing.dropped
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, d_ff={self.d_ff}, n_experts={self.n_experts}, top_k={self.top_k}, "

@@ -4,10 +4,10 @@ choose the same experts), autograd does the backward."""
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from tfm_common.moe import (
+    MoEBookkeeping,
     balance_fractions,
     check_capacity_factor,
     check_moe_args,
@@ -44,7 +44,7 @@ def add_aux_loss(y: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
     return _AddAuxLoss.apply(y, loss)
 
 
-class MoEFeedForward(Module):
+class MoEFeedForward(MoEBookkeeping, Module):
     """y_n = sum_j keep[n, j] g[n, j] FFN_{e(n, j)}(x_n) (twin of tfm_numpy's: see its docstring). After a forward:
     `routing`, `tokens_per_expert`, `dropped`, and `aux_loss`, `z_loss` as tensors of the graph; their gradients,
     times aux_loss_coef and z_loss_coef, are added in the backward (`add_aux_loss`), as tfm_numpy's backward adds
@@ -75,7 +75,7 @@ class MoEFeedForward(Module):
         self.router = Linear(d_model, n_experts, bias=False, rng=gen, dtype=dt)  # (E, d_model)
         ffs = (PositionwiseFeedForward(d_model, d_ff, dropout, activation, rng=gen, dtype=dt) for _ in range(n_experts))
         self.experts = torch.nn.ModuleList(ffs)
-        self.routing = self.aux_loss = self.z_loss = None
+        self.aux_loss = self.z_loss = None
 
     def _check_forward(self, x) -> None:
         check_input("MoEFeedForward", x, last_dim=self.d_model, dtype=self.router.weight.dtype)
@@ -120,20 +120,10 @@ class MoEFeedForward(Module):
         outs = [expert(xe) for expert, xe in zip(self.experts, self.dispatch(x2, routing), strict=True)]
         y2 = self.combine(outs, routing, gates)  # (N, d)
         self.aux_loss, self.z_loss = self.losses(logits, probs, routing)
-        self.routing = routing
+        self._count(routing)  # the last routing, and the totals since reset_counts()
         if torch.is_grad_enabled():  # the backward adds aux_loss_coef aux_loss + z_loss_coef z_loss to the objective
             y2 = add_aux_loss(y2, self.aux_loss_coef * self.aux_loss + self.z_loss_coef * self.z_loss)
         return y2.reshape(x.shape)
-
-    @property
-    def tokens_per_expert(self) -> np.ndarray | None:
-        """(E,) the assignments each expert served in the last forward (after the capacity)."""
-        return None if self.routing is None else self.routing.kept
-
-    @property
-    def dropped(self) -> int | None:
-        """Assignments dropped for want of capacity in the last forward."""
-        return None if self.routing is None else self.routing.dropped
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, d_ff={self.d_ff}, n_experts={self.n_experts}, top_k={self.top_k}, "
