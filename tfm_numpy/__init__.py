@@ -17,6 +17,7 @@ from .modern import *  # noqa: F403
 from .module import Module as Module
 from .module import ModuleList as ModuleList
 from .module import Parameter as Parameter
+from .moe import *  # noqa: F403
 from .optim import *  # noqa: F403
 from .parallel import *  # noqa: F403
 from .positional import *  # noqa: F403

@@ -14,6 +14,7 @@ from .layers import *  # noqa: F403
 from .loss import *  # noqa: F403
 from .masks import *  # noqa: F403
 from .modern import *  # noqa: F403
+from .moe import *  # noqa: F403
 from .optim import *  # noqa: F403
 from .parallel import *  # noqa: F403
 from .positional import *  # noqa: F403
