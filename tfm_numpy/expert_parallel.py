@@ -32,7 +32,8 @@ from .module import Module, ModuleList
 from .moe import MoEFeedForward
 from .parallel import Ring
 
-__all__ = ["AllToAll", "AllToAllMember", "ExpertParallelMoE", "run_expert_parallel"]
+__all__ = ["AllToAll", "AllToAllMember", "ExpertParallelMoE", "expert_parallel_step", "exchanges_for",
+           "run_expert_parallel"]  # fmt: skip
 
 
 class AllToAll:
@@ -98,7 +99,7 @@ class AllToAllMember:
         of send_counts: what each source sent)."""
         x, counts = self._check(x, send_counts)  # counts: (world, g)
         r, w, g = self.rank, self.world, counts.shape[1]
-        rows, send = x.reshape(x.shape[0], -1), counts.sum(axis=1)
+        rows, send = x.reshape(x.shape[0], self.a2a.row_size), counts.sum(axis=1)
         offsets = np.concatenate([[0], np.cumsum(send)])
         self.counts[r, :, :g] = counts
         for d in range(w):
@@ -212,13 +213,18 @@ class ExpertParallelMoE(Module):
         return f"rank={self.rank}, world={self.world}, experts={self.expert_ids}"
 
 
-def _expert_parallel_worker(rank, world, moe, xs, grad_outs, a2a, ring):
+def expert_parallel_step(
+    moe: MoEFeedForward, x: np.ndarray, grad_out: np.ndarray, rank: int, world: int, a2a: AllToAll, ring: Ring
+) -> dict:
+    """In worker `rank` of `world` (a process, or a thread): this worker's `ExpertParallelMoE` of `moe`, one forward
+    of its tokens x and one backward of dL/dy = grad_out, the all-to-alls through `a2a`, the router's gradient
+    all-reduced through `ring`. Returns the dict `run_expert_parallel` describes."""
     layer = ExpertParallelMoE(moe, rank, world)
     comm, reduce = a2a.member(rank), ring.member(rank)
     object.__setattr__(layer, "comm", comm)
     try:
-        y = layer(xs[rank])
-        dx = layer.backward(grad_outs[rank])
+        y = layer(x)
+        dx = layer.backward(grad_out)
         router = layer.router.weight
         router.grad = reduce.all_reduce(router.grad.ravel()).reshape(router.shape)  # the whole batch's gradient
         return {
@@ -235,6 +241,19 @@ def _expert_parallel_worker(rank, world, moe, xs, grad_outs, a2a, ring):
     finally:
         comm.close()
         reduce.close()
+
+
+def _expert_parallel_worker(rank, world, moe, xs, grad_outs, a2a, ring):
+    return expert_parallel_step(moe, xs[rank], grad_outs[rank], rank, world, a2a, ring)
+
+
+def exchanges_for(moe: MoEFeedForward, xs: list[np.ndarray], world: int) -> tuple[AllToAll, Ring]:
+    """The shared memory of one `expert_parallel_step` per worker (tokens xs[r] on worker r): an `AllToAll` large
+    enough for every assignment of the largest share, and a `Ring` for the router's gradient. Close both after."""
+    dtype = moe.router.weight.dtype
+    max_rows = max(a.size // moe.d_model for a in xs) * moe.top_k  # every assignment to one process, at most
+    a2a = AllToAll(world, max_rows, moe.d_model, dtype, groups=moe.n_experts // world)
+    return a2a, Ring(world, moe.router.weight.data.size, dtype)
 
 
 def run_expert_parallel(moe: MoEFeedForward, x, grad_out, *, world: int = 2, timeout: float = 60.0) -> list[dict]:
@@ -255,14 +274,9 @@ def run_expert_parallel(moe: MoEFeedForward, x, grad_out, *, world: int = 2, tim
     if [g.shape for g in grad_outs] != [a.shape for a in xs]:
         raise ValueError(f"run_expert_parallel: grad_out expected the shape of x {np.shape(x)}, got "
                          f"{np.shape(grad_out)}")  # fmt: skip
-    max_rows = max(a.size // moe.d_model for a in xs) * moe.top_k  # every assignment to one process, at most
-    n_local = moe.n_experts // world
-    a2a = AllToAll(world, max_rows, moe.d_model, dtype, groups=n_local)
+    a2a, ring = exchanges_for(moe, xs, world)
     try:
-        ring = Ring(world, moe.router.weight.data.size, dtype)
-        try:
-            return run_processes(_expert_parallel_worker, world, (moe, xs, grad_outs, a2a, ring), timeout=timeout)
-        finally:
-            ring.close()
+        return run_processes(_expert_parallel_worker, world, (moe, xs, grad_outs, a2a, ring), timeout=timeout)
     finally:
         a2a.close()
+        ring.close()
