@@ -218,8 +218,9 @@ def expert_parallel_step(
 ) -> dict:
     """In worker `rank` of `world` (a process, or a thread): this worker's `ExpertParallelMoE` of `moe`, one forward
     of its tokens x and one backward of dL/dy = grad_out, the all-to-alls through `a2a`, the router's gradient
-    all-reduced through `ring`. Returns the dict `run_expert_parallel` describes."""
+    all-reduced through `ring`. Returns the dict `run_expert_parallel` describes (gradients of this step alone)."""
     layer = ExpertParallelMoE(moe, rank, world)
+    layer.zero_grad()  # this step's gradients only (moe's .grad may hold an earlier backward's)
     comm, reduce = a2a.member(rank), ring.member(rank)
     object.__setattr__(layer, "comm", comm)
     try:

@@ -147,6 +147,7 @@ def expert_parallel_step(moe: MoEFeedForward, x: np.ndarray, grad_out: np.ndarra
     `ExpertParallelMoE` of `moe`, one forward of its tokens x and one backward of dL/dy = grad_out (NumPy arrays),
     the router's gradient all-reduced. Returns the dict `run_expert_parallel` describes."""
     layer = ExpertParallelMoE(moe, rank, world)
+    layer.zero_grad(set_to_none=True)  # this step's gradients only (moe's .grad may hold an earlier backward's)
     comm = AllToAllMember()
     object.__setattr__(layer, "comm", comm)
     xt = torch.from_numpy(x).requires_grad_()
