@@ -11,16 +11,21 @@ be refused. A wrong attempt never raises: it gives failed findings that say what
 
 from __future__ import annotations
 
-from . import attention, bert, beyond, foundations, model, moe
+from . import attention, bert, beyond, expert_parallel, foundations, model, moe
 from .grading import CheckResult, Exercise, grade
 
 __all__ = ["EXERCISES", "check", "CheckResult", "Exercise"]
 
-EXERCISES: dict[str, Exercise] = {
-    e.name: e
-    for e in (*foundations.EXERCISES, *attention.EXERCISES, *model.EXERCISES, *beyond.EXERCISES, *bert.EXERCISES,
-              *moe.EXERCISES)
-}
+MODULES = (
+    foundations,
+    attention,
+    model,
+    beyond,
+    bert,
+    moe,
+    expert_parallel,
+)
+EXERCISES: dict[str, Exercise] = {e.name: e for module in MODULES for e in module.EXERCISES}
 
 
 def check(name: str, attempt, *, quiet: bool = False) -> CheckResult:
