@@ -450,6 +450,7 @@ def train_pipeline_step(model: GPT, tokens, targets, *, n_stages: int = 2, micro
     tokens = np.asarray(tokens)
     p, m = check_pipeline("train_pipeline_step", n_stages, micro_batches, tokens.shape[0], schedule)
     stage_layers(len(model.layers), p)  # refuses more stages than blocks
+    PipelineStage(model, 0, p)  # and the other refusals, before any process starts
     n = tokens.shape[0] // m * tokens.shape[1] * model.d_model
     fwd = [Channel(n, model.param_dtype, m, timeout=timeout) for _ in range(p - 1)]  # stage s -> s + 1
     bwd = [Channel(n, model.param_dtype, m, timeout=timeout) for _ in range(p - 1)]  # stage s + 1 -> s
