@@ -40,8 +40,8 @@ __all__ = [
     "schedule_order",
 ]
 
-# The axis along which each weight of a block is cut (None: every process holds all of it). The key's last two
-# parts, as in a GPT's state_dict ("layers.0.self_attn.q_proj.weight" -> "q_proj.weight").
+# The axis along which each weight of an attention or feed-forward is cut (None: every process holds all of it), by
+# the state_dict key's last two parts ("layers.0.self_attn.q_proj.weight" -> "q_proj.weight").
 SHARD_AXES = {
     "q_proj.weight": 0, "q_proj.bias": 0, "k_proj.weight": 0, "k_proj.bias": 0, "v_proj.weight": 0,
     "v_proj.bias": 0, "out_proj.weight": 1, "out_proj.bias": None,
@@ -52,9 +52,7 @@ SHARD_AXES = {
 def shard_axis(key: str) -> int | None:
     """The axis along which the parameter `key` (a state_dict key) is split across processes; None: replicated
     (embeddings, norms, the output projection, and the biases added after an all-reduce)."""
-    parts = key.split(".")
-    inside = ".".join(parts[-2:])
-    return SHARD_AXES.get(inside) if len(parts) > 2 and parts[-3] in ("self_attn", "ff") else None
+    return SHARD_AXES.get(".".join(key.split(".")[-2:]))
 
 
 def check_tensor_split(owner: str, world: int, *, n_heads=None, n_kv_heads=None, d_ff=None) -> int:
@@ -105,7 +103,10 @@ SCHEDULES = ("gpipe", "1f1b")
 
 def stage_layers(n_layers: int, n_stages: int) -> list[range]:
     """The blocks of each stage: contiguous, sizes differing by at most one (the first stages get the extra)."""
-    n_layers, n_stages = check_size("stage_layers", "n_layers", n_layers), check_size("stage_layers", "n_stages", n_stages)
+    n_layers, n_stages = (
+        check_size("stage_layers", "n_layers", n_layers),
+        check_size("stage_layers", "n_stages", n_stages),
+    )
     if n_stages > n_layers:
         raise ValueError(f"stage_layers: n_stages={n_stages} must be at most n_layers={n_layers}")
     edges = np.cumsum([0] + [len(a) for a in np.array_split(np.arange(n_layers), n_stages)])

@@ -42,7 +42,7 @@ from .layers import Dropout, Linear
 from .loss import CrossEntropyLoss
 from .masks import causal_mask
 from .modern import GroupedQueryAttention, repeat_kv
-from .module import Module, ModuleList
+from .module import Module, ModuleList, check_input
 from .optim import Adam
 from .parallel import Ring
 from .sublayers import PositionwiseFeedForward
@@ -90,6 +90,9 @@ class TensorParallelFeedForward(Module):
         self.linear2 = _shard_linear(ff.linear2, 1, rank, world)  # (d, d_ff/W): row parallel, bias (d,) whole
         object.__setattr__(self, "comm", comm)
 
+    def _check_forward(self, x) -> None:
+        self.linear1._check_forward(x)
+
     def forward(self, x: np.ndarray) -> np.ndarray:
         h = self.activation(self.linear1(x)).reshape(-1, self.d_ff)  # (N, d_ff/W): no other process's units
         partial = h @ self.linear2.weight.data.T  # (N, d): this process's share of the sum over hidden units
@@ -127,6 +130,9 @@ class TensorParallelAttention(AttentionImpl, Module):
         self.dropout = Dropout(0.0)
         self.attn_impl, self.tile_size, self.attn_weights = attn.attn_impl, attn.tile_size, None
         object.__setattr__(self, "comm", comm)
+
+    def _check_forward(self, x, mask=None, offset=0) -> None:
+        check_input("TensorParallelAttention", x, ndim_min=3, last_dim=self.d_model, dtype=self.q_proj.weight.dtype)
 
     def _split(self, x: np.ndarray, n: int) -> np.ndarray:  # (B, T, n dh) -> (B, n, T, dh)
         B, T, _ = x.shape
@@ -428,10 +434,12 @@ def _pipeline_worker(rank, world, model, tokens, targets, m, schedule, fwd, bwd,
         grads = {stage.global_key(k): v for k, v in stage.grads().items()}
         optimizer = Adam(stage.parameters(), lr=lr)
         optimizer.step()
+        links = ([fwd[rank]] if rank < world - 1 else []) + (
+            [bwd[rank - 1]] if rank else []
+        )  # what this stage sends on
         return {"grads": grads, "state": {stage.global_key(k): v for k, v in stage.state_dict().items()},
                 "loss": sum(losses) / m if stage.last else None, "timeline": timeline, "peak_bytes": peak,
-                "bytes_sent": sum(c.bytes_sent for c in (fwd[rank] if rank < world - 1 else None,
-                                                         bwd[rank - 1] if rank else None) if c is not None)}  # fmt: skip
+                "bytes_sent": sum(c.bytes_sent for c in links)}  # fmt: skip
     finally:
         for c in fwd + bwd:
             c.close()
@@ -460,4 +468,3 @@ def train_pipeline_step(model: GPT, tokens, targets, *, n_stages: int = 2, micro
     finally:
         for c in fwd + bwd:
             c.close()
-
