@@ -396,11 +396,13 @@ class PipelineStage(Module):
         return key
 
 
-def _pipeline_worker(rank, world, model, tokens, targets, m, schedule, fwd, bwd, lr):
+def _pipeline_worker(rank, world, model, tokens, targets, m, schedule, fwd, bwd, lr, ready):
     stage = PipelineStage(model, rank, world)
     ops = pipeline_schedule(world, m, schedule)[rank]
     xs, ys = np.split(tokens, m), np.split(targets, m)
     shape = (*xs[0].shape, model.d_model)  # what crosses between stages: (B/m, T, d)
+    stage(xs[0] if stage.first else np.zeros(shape, model.param_dtype))  # warm-up, untimed; its caches are dropped
+    ready.wait()  # every stage built and warm: the clock starts together (not with the processes' start-up)
     losses, stashes, timeline = [], {}, []
     held = peak = 0
     loss_fns = [CrossEntropyLoss() for _ in range(m)]
@@ -463,7 +465,7 @@ def train_pipeline_step(model: GPT, tokens, targets, *, n_stages: int = 2, micro
     fwd = [Channel(n, model.param_dtype, m, timeout=timeout) for _ in range(p - 1)]  # stage s -> s + 1
     bwd = [Channel(n, model.param_dtype, m, timeout=timeout) for _ in range(p - 1)]  # stage s + 1 -> s
     try:
-        args = (model, tokens, np.asarray(targets), m, schedule, fwd, bwd, lr)
+        args = (model, tokens, np.asarray(targets), m, schedule, fwd, bwd, lr, mp.get_context("spawn").Barrier(p))
         return run_processes(_pipeline_worker, p, args, timeout=timeout)
     finally:
         for c in fwd + bwd:

@@ -299,6 +299,9 @@ def _pipeline_worker(rank, world, store_path, model_bytes, tokens, targets, m, s
         shape = (*xs[0].shape, stage.d_model)
         kept, timeline, pending, losses, sizes = {}, [], [], [], {}
         held = peak = sent = 0
+        with torch.no_grad():  # warm-up, untimed and kept nowhere
+            stage(xs[0] if stage.first else torch.zeros(shape, dtype=dtype))
+        dist.barrier()  # every stage built and warm: the clock starts together (not with the processes' start-up)
         for op, i in ops:
             if op == "F":
                 if stage.first:
