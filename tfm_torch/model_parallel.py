@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from tfm_common.model_parallel import (
@@ -54,8 +55,6 @@ class _Counter:
         self.payload = 0
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        import torch.distributed as dist
-
         y = x.contiguous().clone()
         dist.all_reduce(y)
         self.payload += y.numel() * y.element_size()
@@ -182,17 +181,14 @@ def tensor_parallel(model: nn.Module, rank: int, world: int, comm) -> nn.Module:
 
 
 def _init_gloo(rank, world, store_path, timeout):
-    import torch.distributed as dist
-
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world)  # gloo itself on loopback (GLOO_SOCKET_IFNAME=lo)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout))  # fmt: skip
-    return dist
 
 
 def _tensor_parallel_worker(rank, world, store_path, model_bytes, inputs, targets, timeout):
-    dist = _init_gloo(rank, world, store_path, timeout)
+    _init_gloo(rank, world, store_path, timeout)
     try:
         model, comm = pickle.loads(model_bytes), _Counter()
         tp = tensor_parallel(model, rank, world, comm)
@@ -290,7 +286,7 @@ class _SavedBytes:
 
 
 def _pipeline_worker(rank, world, store_path, model_bytes, tokens, targets, m, schedule, lr, timeout):
-    dist = _init_gloo(rank, world, store_path, timeout)
+    _init_gloo(rank, world, store_path, timeout)
     try:
         stage = PipelineStage(pickle.loads(model_bytes), rank, world)
         ops = pipeline_schedule(world, m, schedule)[rank]
