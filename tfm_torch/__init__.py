@@ -13,6 +13,7 @@ from .kv_cache import *  # noqa: F403
 from .layers import *  # noqa: F403
 from .loss import *  # noqa: F403
 from .masks import *  # noqa: F403
+from .model_parallel import *  # noqa: F403
 from .modern import *  # noqa: F403
 from .moe import *  # noqa: F403
 from .optim import *  # noqa: F403
