@@ -358,3 +358,32 @@ def test_a_transformer_moves_between_tracks_through_files(tmp_path):
     back = tn.Transformer(len(src_vocab), len(tgt_vocab), **cfg, rng=2, dtype=np.float64)
     tn.load_checkpoint(tmp_path / "back.npz", back)
     assert np.array_equal(back(batch.src, batch.tgt_in), logits)
+
+
+@pytest.mark.parametrize("src, dst", [(tn, tt), (tt, tn)])
+def test_load_model_builds_a_bert_and_a_moe_gpt_from_a_file(tmp_path, src, dst):
+    """BERT (chapter 22a) and MoEGPT (chapter 20c) record their configuration: either track builds them from a file."""
+    sizes = dict(vocab_size=40, d_model=16, n_heads=2, d_ff=32, n_layers=1, max_len=12)
+    made = [src.BERT(**sizes, dropout=0.0, pad_id=0, dtype=src_float64(src)),
+            src.MoEGPT(**sizes, n_experts=2, top_k=1, dtype=src_float64(src))]  # fmt: skip
+    x = np.array([[1, 2, 3, 0]])
+    for model in made:
+        path = tmp_path / f"{type(model).__name__}.npz"
+        (src.export_npz if src is tt else src.save_checkpoint)(path, model)  # torch writes .npz on request
+        built = dst.load_model(path)
+        assert type(built).__name__ == type(model).__name__
+        assert built.config == model.config
+        np.testing.assert_allclose(as_numpy(built.eval()(as_tokens(dst, x))), as_numpy(model.eval()(as_tokens(src, x))),
+                                   atol=1e-12)  # fmt: skip
+
+
+def src_float64(track):
+    return torch.float64 if track is tt else np.float64
+
+
+def as_tokens(track, x):
+    return torch.as_tensor(x) if track is tt else x
+
+
+def as_numpy(y):
+    return y.detach().numpy() if isinstance(y, torch.Tensor) else y

@@ -208,8 +208,9 @@ def _ns(c: dict, key: str) -> list[int]:
 def config_numbers(model: str, c: dict) -> int | None:
     """A lower bound on how many numbers (parameters, and the tables a model computes rather than stores: sinusoidal
     and rotary positions, Swin's window masks) the constructor of `model` allocates for configuration `c`: integer
-    arithmetic, nothing allocated. `model`: "Transformer" (or tfm_torch's "ReferenceTransformer"), "GPT", "ViT" or
-    "Swin"; None for another class (one that records no configuration, so no file of it is built from its sizes).
+    arithmetic, nothing allocated. `model`: "Transformer" (or tfm_torch's "ReferenceTransformer"), "GPT" (or
+    "WindowedGPT", "MoEGPT", and "BERT", built of the GPT's blocks), "ViT" or "Swin"; None for another class (one
+    that records no configuration, so no file of it is built from its sizes).
     A checkpoint's configuration must not ask for more than the file stores plus a bounded allowance for the tables
     (`npz_checkpoint.check_config_size`), so a 15 KB file that declares vocab_size=10**9 is refused before a model
     is built from it.
@@ -218,7 +219,7 @@ def config_numbers(model: str, c: dict) -> int | None:
     # Transformer: embeddings, positions (a table or weights) in both stacks, feed-forward weights
     if model in ("Transformer", "ReferenceTransformer"):
         return d * (_n(c, "src_vocab_size") + _n(c, "tgt_vocab_size") + 2 * max_len) + 4 * n_layers * d * d_ff
-    if model in ("GPT", "WindowedGPT"):  # rope keeps a table of d_head / 2 cosines and sines per position
+    if model in ("GPT", "WindowedGPT", "MoEGPT", "BERT"):  # rope: a table of d_head / 2 cosines, sines per position
         per_position = d // _n(c, "n_heads") if c.get("positional") == "rope" else d
         return d * _n(c, "vocab_size") + max_len * per_position + n_layers * d * d_ff
     patch, channels, classes = _n(c, "patch_size"), _n(c, "in_channels"), _n(c, "n_classes")
