@@ -305,7 +305,8 @@ def test_task_batches_mask_the_prompt_and_the_padding():
     batch = preference_batch(TASK, [("ab", TASK.answer("ab"), [4, EOS_ID]), ("dcba", TASK.answer("dcba"), [4])])
     assert batch.tokens.shape == (4, 10) and batch.mask.sum(axis=1).tolist() == [3, 5, 2, 1]
     assert batch.targets[2][batch.mask[2]].tolist() == [4, EOS_ID] and batch.targets[3][batch.mask[3]].tolist() == [4]
-    assert np.array_equal(batch.tokens[:, 1:][batch.mask[:, :-1]], batch.targets[:, :-1][batch.mask[:, :-1]])
+    full = TASK.prompt("dcba") + [4]  # the rejected answer of row 3, after its prompt
+    assert batch.tokens[3, : len(full) - 1].tolist() == full[:-1] and batch.tokens[3, len(full) - 1 :].max() == PAD_ID
 
 
 def test_pairs_keep_one_right_and_one_wrong():
