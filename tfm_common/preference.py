@@ -42,6 +42,7 @@ __all__ = [
     "sample_answers",
     "preference_pairs",
     "preference_batch",
+    "response_batch",
     "reference_is_frozen",
 ]
 
@@ -225,14 +226,22 @@ def preference_pairs(task: ReversalTask, strings: Sequence[str], first: Sequence
     return pairs
 
 
-def preference_batch(task: ReversalTask, pairs: Sequence[tuple[str, list[int], list[int]]]) -> PreferenceBatch:
-    """B pairs (s, chosen, rejected) -> a `PreferenceBatch` of 2B rows (chosen first), right-padded with PAD_ID.
-    Right padding suits a causal model: a real token never attends to the padding after it."""
-    if not pairs:
-        raise ValueError("preference_batch: pairs is empty; need at least one (string, chosen, rejected)")
-    rows = [(task.prompt(s), list(c)) for s, c, _ in pairs] + [(task.prompt(s), list(r)) for s, _, r in pairs]
+def response_batch(task: ReversalTask, strings: Sequence[str], responses: Sequence) -> PreferenceBatch:
+    """One response per prompt as rows (tokens, targets, mask), right-padded with PAD_ID; mask True at the response's
+    targets. Right padding suits a causal model: a real token never attends to the padding after it."""
+    if not len(strings):
+        raise ValueError("response_batch: strings is empty; need at least one prompt and its response")
+    rows = [(task.prompt(s), [int(t) for t in r]) for s, r in zip(strings, responses, strict=True)]
     x, y = _as_batch(rows, lambda p, r: r)
     mask = np.zeros(x.shape, dtype=bool)
     for i, (p, r) in enumerate(rows):
         mask[i, len(p) - 1 : len(p) - 1 + len(r)] = True
     return PreferenceBatch(x, y, mask)
+
+
+def preference_batch(task: ReversalTask, pairs: Sequence[tuple[str, list[int], list[int]]]) -> PreferenceBatch:
+    """B pairs (s, chosen, rejected) -> a `PreferenceBatch` of 2B rows: the chosen answers, then the rejected ones."""
+    if not pairs:
+        raise ValueError("preference_batch: pairs is empty; need at least one (string, chosen, rejected)")
+    strings = [s for s, _, _ in pairs]
+    return response_batch(task, strings + strings, [c for _, c, _ in pairs] + [r for _, _, r in pairs])
