@@ -62,7 +62,7 @@ def plot_dpo_flow(prompt: str, chosen: str, rejected: str, logps: dict, result: 
     for y in (3.45, 2.55, 1.65):
         _arrow(ax, (2.15, y), (2.75, 3.25))
         _arrow(ax, (2.15, y), (2.75, 1.45))
-    ax.text(3.7, 2.35, "sequence_logps: sum of log p over\nresponse tokens (prompt, padding masked)",
+    ax.text(3.55, 2.35, "sequence_logps: sum of log p\nover the response tokens\n(prompt, padding masked)",
             ha="center", va="center", fontsize=7, color="#333333")  # fmt: skip
 
     rows = (("policy_chosen", 3.65, "log pi_theta(y_w|x)"), ("policy_rejected", 2.95, "log pi_theta(y_l|x)"),
@@ -86,7 +86,8 @@ def plot_dpo_flow(prompt: str, chosen: str, rejected: str, logps: dict, result: 
     ax.text(8.0, 4.2, f"beta = {beta:g}", ha="center", va="center", fontsize=8.5, gid="beta")
 
     # the backward: into the policy only
-    _arrow(ax, (7.1, 0.55), (3.7, 2.88), color=GRAD, ls="--", rad=-0.35)
+    ax.plot([7.1, 4.78, 4.78], [0.55, 0.55, 2.55], color=GRAD, ls="--", lw=1.1)  # between the reference and the logps
+    _arrow(ax, (4.78, 2.55), (4.4, 2.92), color=GRAD, ls="--")
     ax.text(5.0, 0.3, "gradient: -beta sigmoid(-z) (d log pi(y_w) - d log pi(y_l)), into the policy only",
             ha="center", va="center", fontsize=7.5, color=GRAD, gid="gradient")  # fmt: skip
     ax.text(3.7, 0.85, "no gradient: the reference stays where SFT left it", ha="center", va="center",
