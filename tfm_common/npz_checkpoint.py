@@ -97,8 +97,8 @@ def check_config_size(meta: dict, stored: int, path, name: str) -> None:
     asked = config_numbers(meta["class"], meta["config"])
     if asked is None:  # a layer's constructor would take any size from the file: none records a configuration
         raise ValueError(
-            f"{name}: {os.fspath(path)!r} names a {meta['class']}, which records no configuration: only a "
-            "Transformer, GPT, BERT, ViT or Swin is built from a file (build the module yourself and use load_checkpoint)"
+            f"{name}: {os.fspath(path)!r} names a {meta['class']}, which records no configuration: only a Transformer, "
+            "GPT, BERT, ViT or Swin is built from a file (build the module yourself and use load_checkpoint)"
         )
     if asked > stored + UNSTORED_ALLOWANCE:
         sizes = ", ".join(f"{k}={v!r}" for k, v in meta["config"].items() if type(v) in (int, list, tuple))
