@@ -10,6 +10,7 @@ from .gpt import *  # noqa: F403
 from .gradcheck import *  # noqa: F403
 from .kv_cache import *  # noqa: F403
 from .layers import *  # noqa: F403
+from .lora import *  # noqa: F403
 from .loss import *  # noqa: F403
 from .masks import *  # noqa: F403
 from .modern import *  # noqa: F403
