@@ -1,6 +1,7 @@
 """tfm_numpy: the Transformer in pure NumPy, every layer with a hand-written backward. Never imports torch."""
 
 from .attention import *  # noqa: F403
+from .bert import *  # noqa: F403
 from .checkpoint import *  # noqa: F403
 from .classify import *  # noqa: F403
 from .decoding import *  # noqa: F403

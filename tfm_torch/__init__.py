@@ -1,6 +1,7 @@
 """tfm_torch: the PyTorch twin of tfm_numpy: same class names, constructor arguments and state_dict keys."""
 
 from .attention import *  # noqa: F403
+from .bert import *  # noqa: F403
 from .checkpoint import *  # noqa: F403
 from .classify import *  # noqa: F403
 from .decoding import *  # noqa: F403
