@@ -254,3 +254,39 @@ def test_a_refused_call_leaves_the_forward_to_differentiate():
         model(np.zeros((1, 3), np.int64))
     model.backward(grad_out)
     assert max(max_abs_diff(v, expected[k]) for k, v in model.grads().items()) == 0
+
+
+# -- on the BERT (chapter 22a): [CLS] at position 0, padding masked ---------------------------------------------------
+
+CLS = 12  # a token id standing for [CLS] in these tiny tests (PAD = 0 is the BERT's pad_id)
+
+
+def np_bert_classifier(n_layers=2, seed=0):
+    bert = tn.BERT(**{**TINY, "n_layers": n_layers}, dropout=0.0, pad_id=PAD, rng=seed, dtype=np.float64)
+    return tn.SequenceClassifier(perturb(bert, seed), K, pool="first", rng=seed + 1)  # pad_id: the BERT's
+
+
+def with_cls(tokens):
+    return np.concatenate([np.full((len(tokens), 1), CLS), tokens[:, :-1]], axis=1)
+
+
+def test_bert_classifier_gradient_check_and_tracks():
+    model = np_bert_classifier(n_layers=1)
+    assert model.pad_id == PAD  # taken from the backbone
+    assert_grad_check(model, (with_cls(TOKENS),), GRAD_TOL)
+    model = np_bert_classifier()
+    bert = tt.BERT(**model.backbone.config, rng=5, dtype=torch.float64)
+    t = tt.SequenceClassifier(bert, K, pool="first", rng=6)
+    load_np_into_torch(model, t)
+    grad_out = np.random.default_rng(2).standard_normal((len(TOKENS), K))
+    result = run_numpy(model, (with_cls(TOKENS),), grad_out), run_torch(t, (with_cls(TOKENS),), grad_out)
+    assert assert_tracks_agree(*result, TRACK_TOL) < TRACK_TOL
+
+
+def test_bert_padding_is_masked_so_more_padding_changes_nothing():
+    model = np_bert_classifier()
+    tokens = with_cls(TOKENS)
+    wider = np.concatenate([tokens, np.full((3, 1), PAD)], axis=1)
+    assert max_abs_diff(model(tokens), model(wider)) < 1e-12
+    with pytest.raises(ValueError, match="pad_id must be a token"):
+        tn.SequenceClassifier(model.backbone, K, pad_id=V + 4)
