@@ -3,6 +3,7 @@
 from .attention import *  # noqa: F403
 from .bert import *  # noqa: F403
 from .checkpoint import *  # noqa: F403
+from .classify import *  # noqa: F403
 from .decoding import *  # noqa: F403
 from .encoder_decoder import *  # noqa: F403
 from .flash import *  # noqa: F403
