@@ -34,6 +34,13 @@ __all__ = ["LoRALinear", "add_lora", "lora_parameters", "lora_state_dict", "merg
            "load_adapters"]  # fmt: skip
 
 
+def _checked(base, rank, alpha) -> tuple[int, float]:
+    """LoRALinear's arguments: base a Linear of this track, then rank and alpha (`tfm_common.lora.check_lora_args`)."""
+    if not isinstance(base, Linear):
+        raise TypeError(f"LoRALinear: base expected a tfm_numpy Linear, got {type(base).__name__}")
+    return check_lora_args("LoRALinear", base.in_features, base.out_features, rank, alpha)
+
+
 class LoRALinear(Module):
     """A frozen `Linear` (`base`) plus the low-rank update s * x A^T B^T, s = alpha / rank. A is drawn uniform in
     +-1/sqrt(in_features) (torch's Linear default, as peft draws it), B is zero: the adapted layer starts as the
@@ -41,9 +48,7 @@ class LoRALinear(Module):
 
     def __init__(self, base: Linear, rank: int, alpha: float, *, rng=None):
         super().__init__()
-        if not isinstance(base, Linear):
-            raise TypeError(f"LoRALinear: base expected a tfm_numpy Linear, got {type(base).__name__}")
-        rank, alpha = check_lora_args("LoRALinear", base.in_features, base.out_features, rank, alpha)
+        rank, alpha = _checked(base, rank, alpha)
         self.rank, self.alpha, self.scaling = rank, alpha, lora_scaling(rank, alpha)
         self.in_features, self.out_features = base.in_features, base.out_features
         dt, rng, bound = base.weight.dtype, as_rng(rng), 1.0 / np.sqrt(base.in_features)
@@ -105,15 +110,21 @@ def _replace(model: Module, name: str, new: Module) -> None:
     object.__setattr__(parent, child, new)
 
 
+def _targets_of(model, rank, alpha, targets) -> tuple[list[str], dict]:
+    """add_lora's checks: the model, the layers `targets` picks, rank and alpha for each; (names, modules by name)."""
+    _check_model("add_lora", model)
+    names = match_targets("add_lora", _candidates(model), targets)
+    layers = dict(model.named_modules())
+    for n in names:
+        check_lora_args(f"add_lora ({n})", layers[n].in_features, layers[n].out_features, rank, alpha)
+    return names, layers
+
+
 def add_lora(model: Module, rank: int, alpha: float, targets, *, rng=None) -> list[str]:
     """Wrap every Linear that `targets` picks (patterns on the dotted names, or their last part: "q_proj",
     "layers.*.ff.linear1") in a `LoRALinear(rank, alpha)`, in place; returns the adapted names. Everything is
     checked before anything changes. Train with `Adam(lora_parameters(model))`: the rest stays frozen."""
-    _check_model("add_lora", model)
-    names = match_targets("add_lora", _candidates(model), targets)
-    layers = dict(model.named_modules())
-    for n in names:  # every layer's rank and alpha before any change
-        check_lora_args(f"add_lora ({n})", layers[n].in_features, layers[n].out_features, rank, alpha)
+    names, layers = _targets_of(model, rank, alpha, targets)  # every check, before any change
     rng = as_rng(rng)
     for n in names:
         _replace(model, n, LoRALinear(layers[n], rank, alpha, rng=rng))

@@ -34,15 +34,20 @@ __all__ = ["LoRALinear", "add_lora", "lora_parameters", "lora_state_dict", "merg
            "load_adapters"]  # fmt: skip
 
 
+def _checked(base, rank, alpha) -> tuple[int, float]:
+    """LoRALinear's arguments: base a Linear of this track, then rank and alpha (`tfm_common.lora.check_lora_args`)."""
+    if not isinstance(base, Linear):
+        raise TypeError(f"LoRALinear: base expected a tfm_torch Linear, got {type(base).__name__}")
+    return check_lora_args("LoRALinear", base.in_features, base.out_features, rank, alpha)
+
+
 class LoRALinear(Module):
     """A frozen `Linear` (`base`, its parameters set to requires_grad=False) plus s * x A^T B^T, s = alpha / rank;
     A uniform in +-1/sqrt(in_features), B zero. state_dict keys `lora_A`, `lora_B`, `base.weight`, `base.bias`."""
 
     def __init__(self, base: Linear, rank: int, alpha: float, *, rng=None):
         super().__init__()
-        if not isinstance(base, Linear):
-            raise TypeError(f"LoRALinear: base expected a tfm_torch Linear, got {type(base).__name__}")
-        rank, alpha = check_lora_args("LoRALinear", base.in_features, base.out_features, rank, alpha)
+        rank, alpha = _checked(base, rank, alpha)
         self.rank, self.alpha, self.scaling = rank, alpha, lora_scaling(rank, alpha)
         self.in_features, self.out_features = base.in_features, base.out_features
         dt, gen, bound = base.weight.dtype, as_generator(rng), 1.0 / math.sqrt(base.in_features)
@@ -93,14 +98,20 @@ def _adapters(model: nn.Module) -> list[tuple[str, LoRALinear]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
 
 
-def add_lora(model: nn.Module, rank: int, alpha: float, targets, *, rng=None) -> list[str]:
-    """Wrap every Linear that `targets` picks in a `LoRALinear(rank, alpha)`, in place, and freeze every other
-    parameter (requires_grad=False); returns the adapted names. Everything is checked before anything changes."""
+def _targets_of(model, rank, alpha, targets) -> tuple[list[str], dict]:
+    """add_lora's checks: the model, the layers `targets` picks, rank and alpha for each; (names, modules by name)."""
     _check_model("add_lora", model)
     names = match_targets("add_lora", _candidates(model), targets)
     layers = dict(model.named_modules())
     for n in names:
         check_lora_args(f"add_lora ({n})", layers[n].in_features, layers[n].out_features, rank, alpha)
+    return names, layers
+
+
+def add_lora(model: nn.Module, rank: int, alpha: float, targets, *, rng=None) -> list[str]:
+    """Wrap every Linear that `targets` picks in a `LoRALinear(rank, alpha)`, in place, and freeze every other
+    parameter (requires_grad=False); returns the adapted names. Everything is checked before anything changes."""
+    names, layers = _targets_of(model, rank, alpha, targets)  # every check, before any change
     gen = as_generator(rng)
     for n in names:
         _replace(model, n, LoRALinear(layers[n], rank, alpha, rng=gen))
