@@ -3,6 +3,7 @@
 from .attention import *  # noqa: F403
 from .bert import *  # noqa: F403
 from .checkpoint import *  # noqa: F403
+from .classify import *  # noqa: F403
 from .decoding import *  # noqa: F403
 from .dpo import *  # noqa: F403
 from .encoder_decoder import *  # noqa: F403
@@ -12,6 +13,7 @@ from .gpt import *  # noqa: F403
 from .gradcheck import *  # noqa: F403
 from .kv_cache import *  # noqa: F403
 from .layers import *  # noqa: F403
+from .lora import *  # noqa: F403
 from .loss import *  # noqa: F403
 from .masks import *  # noqa: F403
 from .model_parallel import *  # noqa: F403

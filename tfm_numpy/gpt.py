@@ -149,6 +149,34 @@ class GPT(GPTDoor, Module):
             dx = self.pos.backward(dx)
         self.embed.backward(dx * math.sqrt(self.d_model))
 
+    # -- hidden states, for a head of another task (chapter 22b) ---------------------------------------------------
+    def encode(self, tokens: np.ndarray) -> np.ndarray:
+        """The hidden states (B, T, d_model) after the final norm: `forward` without the output projection. Row t
+        has read tokens 0 .. t only (causal), so padding AFTER a row's last token changes nothing before it."""
+        x = self._embed(tokens, 0)  # (B, T, d)
+        mask = self._encode_mask(tokens.shape[1])  # causal (1, 1, T, T); a WindowedGPT's band
+        for layer in self.layers:
+            x = layer(x, mask)
+        self._cache = x.shape
+        return self.norm(x)  # (B, T, d)
+
+    def encode_backward(self, grad_hidden: np.ndarray) -> None:
+        """After `encode`: add dL/dparam into every parameter's grad, from dL/dhidden (B, T, d_model)."""
+        self._saved()
+        dx = self.norm.backward(grad_hidden)  # (B, T, d); the output projection was not used
+        for layer in reversed(list(self.layers)):
+            dx = layer.backward(dx)
+        dx = self.dropout.backward(dx)
+        if self.pos is not None:
+            dx = self.pos.backward(dx)
+        self.embed.backward(dx * math.sqrt(self.d_model))
+
+    def _encode_mask(self, T: int) -> np.ndarray:
+        return causal_mask(T)  # (1, 1, T, T)
+
+    def _check_encode(self, tokens) -> None:
+        self._check_tokens(tokens, 0)
+
     def _embed(self, tokens: np.ndarray, offset: int) -> np.ndarray:
         x = self.embed(tokens) * math.sqrt(self.d_model)  # (B, T, d); the python float keeps float32 float32
         if self.pos is not None:
@@ -230,6 +258,9 @@ class WindowedGPT(WindowedGPTDoor, GPT):
             x = layer(x, mask)
         self._cache = x.shape
         return self.output_projection(self.norm(x))  # (B, T, V)
+
+    def _encode_mask(self, T: int) -> np.ndarray:
+        return band_mask(T, self.window, self.sinks)  # `encode` sees what `forward` sees
 
     def forward_step(self, tokens: np.ndarray, cache: dict) -> np.ndarray:
         """The logits (B, Tn, V) of new tokens (B, Tn) given the rolling `cache` (a dict, empty at the first call, or

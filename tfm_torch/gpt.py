@@ -94,6 +94,21 @@ class GPT(GPTDoor, Module):
             x = layer(x, mask)
         return self.output_projection(self.norm(x))  # (B, T, V)
 
+    def encode(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The hidden states (B, T, d_model) after the final norm: `forward` without the output projection (as
+        tfm_numpy's; chapter 22b puts a classifier on them)."""
+        x = self._embed(tokens, 0)  # (B, T, d)
+        mask = self._encode_mask(tokens.shape[1], tokens.device)
+        for layer in self.layers:
+            x = layer(x, mask)
+        return self.norm(x)  # (B, T, d)
+
+    def _encode_mask(self, T: int, device) -> torch.Tensor:
+        return causal_mask(T, device=device)  # (1, 1, T, T)
+
+    def _check_encode(self, tokens) -> None:
+        self._check_tokens(tokens, 0)
+
     def _embed(self, tokens: torch.Tensor, offset: int) -> torch.Tensor:
         x = self.embed(tokens) * math.sqrt(self.d_model)
         if self.pos is not None:
@@ -153,6 +168,9 @@ class WindowedGPT(WindowedGPTDoor, GPT):
         for layer in self.layers:
             x = layer(x, mask)
         return self.output_projection(self.norm(x))  # (B, T, V)
+
+    def _encode_mask(self, T: int, device) -> torch.Tensor:
+        return band_mask(T, self.window, self.sinks, device=device)  # `encode` sees what `forward` sees
 
     def forward_step(self, tokens: torch.Tensor, cache: dict) -> torch.Tensor:
         """The logits (B, Tn, V) of new tokens given the rolling cache of the earlier calls (layout of tfm_numpy's;

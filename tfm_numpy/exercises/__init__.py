@@ -11,7 +11,7 @@ be refused. A wrong attempt never raises: it gives failed findings that say what
 
 from __future__ import annotations
 
-from . import attention, bert, beyond, dpo, expert_parallel, foundations, model, model_parallel, moe
+from . import attention, bert, beyond, dpo, expert_parallel, foundations, lora, model, model_parallel, moe
 from .grading import CheckResult, Exercise, grade
 
 __all__ = ["EXERCISES", "check", "CheckResult", "Exercise"]
@@ -22,6 +22,7 @@ MODULES = (
     model,
     beyond,
     bert,
+    lora,
     dpo,
     model_parallel,
     moe,
