@@ -22,10 +22,10 @@ import numpy as np
 from .bpe import ByteBPE
 from .config import GPT_ARGS, check_gpt_config
 from .sampling import check_token_window
-from .validate import check_probability
+from .validate import behind_door, check_probability
 
-__all__ = ["BERT_SPECIALS", "IGNORE_INDEX", "BERT_ARGS", "SpecialIds", "MaskedBatch", "bert_tokenizer",
-           "special_ids", "mask_tokens", "check_bert_config", "BERTDoor"]  # fmt: skip
+__all__ = ["BERT_SPECIALS", "IGNORE_INDEX", "BERT_ARGS", "SpecialIds", "MaskedBatch", "bert_tokenizer", "special_ids",
+           "mask_tokens", "mask_rule", "FATES", "mask_fates", "check_bert_config", "BERTDoor"]  # fmt: skip
 
 BERT_SPECIALS = (b"[PAD]", b"[CLS]", b"[SEP]", b"[MASK]")
 IGNORE_INDEX = -100  # a target the loss skips (torch's default ignore_index)
@@ -67,19 +67,51 @@ def special_ids(bpe: ByteBPE) -> SpecialIds:
 def mask_tokens(ids, *, mask_id: int, vocab_size: int, special_ids, p: float = 0.15, rng) -> MaskedBatch:
     """BERT's corruption of integer token ids (any shape): (inputs, targets, chosen).
 
-    Each position whose id is not in `special_ids` is chosen with probability p; a chosen position becomes
-    `mask_id` with probability 0.8, a random token (uniform over the ids in [0, vocab_size) that are not special)
-    with probability 0.1, and keeps its id with probability 0.1. The draws have the shape of `ids`, whatever its
-    values, so one seed gives one corruption in any track."""
+    Each position whose id is not in `special_ids` (nor `mask_id`) is chosen with probability p; a chosen position
+    becomes `mask_id` with probability 0.8, a random token (uniform over the ids in [0, vocab_size) that are not
+    special) with probability 0.1, and keeps its id with probability 0.1. The draws have the shape of `ids`, whatever
+    its values, so one seed gives one corruption in any track."""
     ids, specials, p = _check_mask_tokens(ids, mask_id, vocab_size, special_ids, p, rng)
     ordinary = np.setdiff1d(np.arange(vocab_size), specials)  # the tokens a random replacement draws from
-    chosen = (rng.random(ids.shape) < p) & ~np.isin(ids, specials)  # (...) bool
-    u = rng.random(ids.shape)  # which of the three fates
+    u_choose, u_fate = rng.random(ids.shape), rng.random(ids.shape)
     random_ids = ordinary[rng.integers(0, len(ordinary), ids.shape)]
-    inputs = np.where(chosen & (u < 0.8), mask_id, ids)  # 80%: [MASK]
-    inputs = np.where(chosen & (u >= 0.8) & (u < 0.9), random_ids, inputs)  # 10%: a random token; 10%: unchanged
-    targets = np.where(chosen, ids, IGNORE_INDEX)
+    return mask_rule(ids, u_choose, u_fate, random_ids, mask_id=mask_id, special_ids=specials, p=p)
+
+
+def mask_rule(ids, u_choose, u_fate, random_ids, *, mask_id: int, special_ids, p: float = 0.15) -> MaskedBatch:
+    """The 80/10/10 rule given its random draws (arrays of the shape of `ids`): u_choose and u_fate uniform in
+    [0, 1), random_ids the replacements. A position is chosen where u_choose < p and its id is not special; a
+    chosen one becomes mask_id where u_fate < 0.8, random_ids where 0.8 <= u_fate < 0.9, and stays otherwise."""
+    chosen = (u_choose < p) & ~np.isin(ids, special_ids)  # (...) bool: the positions the loss counts
+    inputs = np.where(chosen & (u_fate < 0.8), mask_id, ids)  # 80%: [MASK]
+    inputs = np.where(chosen & (u_fate >= 0.8) & (u_fate < 0.9), random_ids, inputs)  # 10% random, 10% unchanged
+    targets = np.where(chosen, ids, IGNORE_INDEX)  # the original token where chosen, ignored elsewhere
     return MaskedBatch(inputs, targets, chosen)
+
+
+def _check_mask_rule(ids, u_choose, u_fate, random_ids, *, mask_id, special_ids, p=0.15) -> None:
+    for arg, a in (("ids", ids), ("u_choose", u_choose), ("u_fate", u_fate), ("random_ids", random_ids)):
+        if not isinstance(a, np.ndarray) or a.shape != np.shape(ids):
+            got = f"shape {a.shape}" if isinstance(a, np.ndarray) else type(a).__name__
+            raise ValueError(f"mask_rule: {arg} expected a numpy array of the shape of ids {np.shape(ids)}, got {got}")
+    check_probability("mask_rule", "p", p, allow_one=True)
+
+
+mask_rule = behind_door(mask_rule, _check_mask_rule)  # the printed body stays the rule
+
+
+FATES = ("not chosen", "[MASK]", "random", "kept")  # what mask_fates' codes 0 .. 3 mean
+
+
+def mask_fates(ids: np.ndarray, batch: MaskedBatch, mask_id: int) -> np.ndarray:
+    """What `mask_tokens` did at each position of `ids`, as codes into FATES: 0 not chosen, 1 replaced by [MASK],
+    2 replaced by another token, 3 chosen and kept (a random draw that hit the original token counts as kept: the
+    model reads the true token either way)."""
+    ids = np.asarray(ids)
+    if ids.shape != batch.inputs.shape:
+        raise ValueError(f"mask_fates: ids expected the batch's shape {batch.inputs.shape}, got {ids.shape}")
+    replaced = np.where(batch.inputs == mask_id, 1, np.where(batch.inputs == ids, 3, 2))
+    return np.where(batch.chosen, replaced, 0)
 
 
 def _check_mask_tokens(ids, mask_id, vocab_size, special_ids, p, rng):
@@ -91,9 +123,8 @@ def _check_mask_tokens(ids, mask_id, vocab_size, special_ids, p, rng):
         raise ValueError(f"{owner}: vocab_size must be an int >= 2, got {vocab_size!r}")
     if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
         raise ValueError(f"{owner}: ids must be in [0, {vocab_size}), got values in [{ids.min()}, {ids.max()}]")
-    for arg, i in (("mask_id", mask_id),):
-        if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= i < vocab_size:
-            raise ValueError(f"{owner}: {arg} must be an int in [0, {vocab_size}), got {i!r}")
+    if isinstance(mask_id, bool) or not isinstance(mask_id, (int, np.integer)) or not 0 <= mask_id < vocab_size:
+        raise ValueError(f"{owner}: mask_id must be an int in [0, {vocab_size}), got {mask_id!r}")
     try:
         specials = np.array(list(special_ids))
     except TypeError:

@@ -11,14 +11,21 @@ be refused. A wrong attempt never raises: it gives failed findings that say what
 
 from __future__ import annotations
 
-from . import attention, beyond, finetune, foundations, model
+from . import attention, bert, beyond, finetune, foundations, model
 from .grading import CheckResult, Exercise, grade
 
 __all__ = ["EXERCISES", "check", "CheckResult", "Exercise"]
 
 EXERCISES: dict[str, Exercise] = {
     e.name: e
-    for e in (*foundations.EXERCISES, *attention.EXERCISES, *model.EXERCISES, *beyond.EXERCISES, *finetune.EXERCISES)
+    for e in (
+        *foundations.EXERCISES,
+        *attention.EXERCISES,
+        *model.EXERCISES,
+        *beyond.EXERCISES,
+        *bert.EXERCISES,
+        *finetune.EXERCISES,
+    )
 }
 
 
