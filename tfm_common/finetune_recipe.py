@@ -22,7 +22,8 @@ from .baselines import accuracy
 from .bpe import ByteBPE
 from .lm_recipe import warmup_decay
 from .snippets import Snippets, encode_snippets
-from .validate import check_size
+from .training import with_door
+from .validate import check_real, check_size
 
 __all__ = ["FinetuneRun", "snippet_ids", "epoch_batches", "finetune"]
 
@@ -67,25 +68,33 @@ def finetune(model, track: ModuleType, ids: np.ndarray, labels: np.ndarray, *, s
              clip_norm: float = 1.0) -> FinetuneRun:  # fmt: skip
     """Train the classifier `model` (of `track`) on `ids` (N, T) and `labels` (N,) for `steps` steps, scoring
     (eval_ids, eval_labels) before training and every `eval_every` steps (and after the last)."""
-    steps, warmup = check_size("finetune", "steps", steps), check_size("finetune", "warmup", warmup)
-    scored = eval_ids is not None
-    if scored != (eval_labels is not None) or scored != (eval_every is not None):
-        raise ValueError("finetune: give eval_ids, eval_labels and eval_every together, or none of them")
-    every = check_size("finetune", "eval_every", eval_every) if scored else None
     optimizer = track.make_adam(model, betas=(0.9, 0.999), eps=1e-8)
     loss_fn, rng = track.CrossEntropyLoss(), np.random.default_rng(seed)
     losses, eval_steps, eval_acc = [], [], []
 
     def score(step: int) -> None:
-        eval_steps.append(step)
-        eval_acc.append(accuracy(track.predict_classes(model, eval_ids), eval_labels).value)
+        if eval_ids is not None and (step % eval_every == 0 or step == steps):
+            eval_steps.append(step)
+            eval_acc.append(accuracy(track.predict_classes(model, eval_ids), eval_labels).value)
 
-    if scored:
-        score(0)
+    score(0)
     for step, rows in enumerate(epoch_batches(len(ids), batch_size, steps, rng), start=1):
-        lr = warmup_decay(step, steps, peak, warmup)
+        lr = warmup_decay(step, steps, peak, warmup)  # linear warm-up to peak, then linear decay to 0
         result = track.classifier_train_step(model, ids[rows], labels[rows], optimizer, loss_fn, lr, clip_norm)
         losses.append(result.loss)
-        if scored and (step % every == 0 or step == steps):
-            score(step)
+        score(step)
     return FinetuneRun(np.array(losses), np.array(eval_steps), np.array(eval_acc))
+
+
+def _check_finetune(model, track, ids, labels, *, steps, batch_size, peak, warmup, seed, eval_ids, eval_labels,
+                    eval_every, clip_norm) -> None:  # fmt: skip
+    check_size("finetune", "steps", steps)
+    check_size("finetune", "warmup", warmup)
+    check_real("finetune", "peak", peak, low=0.0)
+    if (eval_ids is None) != (eval_labels is None) or (eval_ids is None) != (eval_every is None):
+        raise ValueError("finetune: give eval_ids, eval_labels and eval_every together, or none of them")
+    if eval_every is not None:
+        check_size("finetune", "eval_every", eval_every)
+
+
+finetune = with_door(finetune, _check_finetune)  # the arguments checked before the printed loop runs
