@@ -44,7 +44,7 @@ unit: venv
 # computes the same numbers with one, so those run two at a time, one thread each (--dist loadfile: each notebook
 # whole in one worker, its cells in order).
 NBVAL := $(BIN)/pytest --nbval --nbval-current-env --nbval-sanitize-with .nbval_sanitize.cfg -q
-NBVAL_TWO_THREADS := 14a_translator_numpy 14b_translator_torch 15a_performance 17b_gpt 18_since_2017 21a_quantization 21c_sliding_window 20c_mixture_of_experts 22a_bert 22c_lora 22d_dpo
+NBVAL_TWO_THREADS := 14a_translator_numpy 14b_translator_torch 15a_performance 17b_gpt 18_since_2017 21a_quantization 21c_sliding_window 20c_mixture_of_experts 22a_bert 22b_fine_tuning 22c_lora 22d_dpo
 nbval: venv
 	$(NBVAL) $(NBVAL_TWO_THREADS:%=chapters/%.ipynb)
 	OMP_NUM_THREADS=1 $(NBVAL) -n 2 --dist loadfile chapters $(NBVAL_TWO_THREADS:%=--ignore=chapters/%.ipynb)

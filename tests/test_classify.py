@@ -11,6 +11,7 @@ from test_sublayers import assert_grad_check  # every k_proj.bias has a true gra
 
 import tfm_numpy as tn
 import tfm_torch as tt
+from tfm_common.finetune_recipe import epoch_batches, finetune
 
 GRAD_TOL = 1e-7
 TRACK_TOL = 1e-10
@@ -290,3 +291,30 @@ def test_bert_padding_is_masked_so_more_padding_changes_nothing():
     assert max_abs_diff(model(tokens), model(wider)) < 1e-12
     with pytest.raises(ValueError, match="pad_id must be a token"):
         tn.SequenceClassifier(model.backbone, K, pad_id=V + 4)
+
+
+# -- the fine-tuning recipe (tfm_common.finetune_recipe) ---------------------------------------------------------------
+
+
+def test_epoch_batches_cover_every_row_once_per_epoch():
+    batches = epoch_batches(10, 3, 6, np.random.default_rng(0))
+    first_epoch = np.concatenate(batches[:3])  # 3 batches of 3 rows; the 4th would cross the end: a new epoch
+    assert len(set(first_epoch.tolist())) == 9 and all(len(b) == 3 for b in batches)
+    assert np.array_equal(np.concatenate(epoch_batches(10, 3, 6, np.random.default_rng(0))), np.concatenate(batches))
+
+
+def test_finetune_gives_the_same_run_in_both_tracks():
+    rng = np.random.default_rng(1)
+    ids = np.where(np.arange(7) < rng.integers(2, 8, (12, 1)), rng.integers(1, V, (12, 7)), PAD)  # right-padded
+    labels = rng.integers(0, K, 12)
+    model = np_classifier("last")
+    t = twin(model)
+    recipe = dict(steps=4, batch_size=5, peak=1e-2, warmup=2, seed=3, eval_ids=ids[:6], eval_labels=labels[:6],
+                  eval_every=2)  # fmt: skip
+    a, b = finetune(model, tn, ids, labels, **recipe), finetune(t, tt, ids, labels, **recipe)
+    assert np.abs(a.losses - b.losses).max() < 1e-12 and a.losses.shape == (4,)
+    assert a.eval_steps.tolist() == [0, 2, 4] and np.array_equal(a.eval_accuracy, b.eval_accuracy)
+    with pytest.raises(ValueError, match="give eval_ids, eval_labels and eval_every together"):
+        finetune(model, tn, ids, labels, steps=2, batch_size=5, peak=1e-2, warmup=1, seed=0, eval_every=1)
+    with pytest.raises(ValueError, match="steps must be an int >= 1"):
+        finetune(model, tn, ids, labels, steps=0, batch_size=5, peak=1e-2, warmup=1, seed=0)

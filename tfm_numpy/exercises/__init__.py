@@ -11,7 +11,7 @@ be refused. A wrong attempt never raises: it gives failed findings that say what
 
 from __future__ import annotations
 
-from . import attention, bert, beyond, dpo, expert_parallel, foundations, lora, model, model_parallel, moe
+from . import attention, bert, beyond, dpo, expert_parallel, finetune, foundations, lora, model, model_parallel, moe
 from .grading import CheckResult, Exercise, grade
 
 __all__ = ["EXERCISES", "check", "CheckResult", "Exercise"]
@@ -21,12 +21,13 @@ MODULES = (
     attention,
     model,
     beyond,
-    bert,
-    lora,
-    dpo,
     model_parallel,
     moe,
     expert_parallel,
+    bert,
+    finetune,
+    lora,
+    dpo,
 )
 EXERCISES: dict[str, Exercise] = {e.name: e for module in MODULES for e in module.EXERCISES}
 
